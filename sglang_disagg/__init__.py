@@ -1,0 +1,12 @@
+"""sglang-disagg: disaggregated prefill/decode serving for SGLang.
+
+Module map:
+- ``sglang_disagg.env``        typed environment variables and paths (one place)
+- ``sglang_disagg.models``     built-in random-weight models, generated deterministically
+- ``sglang_disagg.launch``     launcher for prefill / decode / router / all / colocated
+- ``sglang_disagg.patches``    the SGLang patch series tool (apply, check, status, export, rebase)
+- ``sglang_disagg.cpu_ops``    native torch ops SGLang calls on CPU instead of sgl_kernel
+- ``sglang_disagg.backends``   transfer backend registry and backends (libfabric, nixl, mooncake)
+"""
+
+__version__ = "0.1.0.dev0"
