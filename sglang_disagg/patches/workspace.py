@@ -1,0 +1,169 @@
+"""Workspaces: throw-away git repositories of pristine SGLang with the series as commits.
+
+Layout: the repository root holds the wheel's ``sglang/`` directory (no ``*.dist-info``), so
+patch paths read ``a/sglang/srt/...`` like paths relative to site-packages. The first commit,
+``Upstream sglang X``, has a fixed author/date (same hash for everyone) and is tagged
+``upstream``; every commit after it is one patch. Export turns those commits back into
+``git format-patch`` files, deterministically.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from sglang_disagg.patches.errors import PatchError
+from sglang_disagg.patches.gitutil import UPSTREAM_AUTHOR, UPSTREAM_DATE, git, git_text
+from sglang_disagg.patches.model import Series, Upstream
+from sglang_disagg.patches.releases import extract, pinned_wheel
+
+UPSTREAM_TAG = "upstream"
+_CONFIG_KEYS = ("version", "archive", "sha256", "package")
+FORMAT_PATCH_ARGS = (
+    "format-patch", "--zero-commit", "--no-signature", "--no-numbered", "--keep-subject",
+    "--no-cover-letter", "--no-thread", "--no-attach", "--stat=80", "--abbrev=12", "-M",
+    "--encoding=UTF-8",
+)
+
+
+@dataclass(frozen=True)
+class Exported:
+    """What export writes: patch file name -> bytes, in series order."""
+
+    patches: tuple[tuple[str, bytes], ...]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(n for n, _ in self.patches)
+
+
+def _upstream_env() -> dict[str, str]:
+    name, email = UPSTREAM_AUTHOR
+    return {
+        "GIT_AUTHOR_NAME": name, "GIT_AUTHOR_EMAIL": email, "GIT_AUTHOR_DATE": UPSTREAM_DATE,
+        "GIT_COMMITTER_NAME": name, "GIT_COMMITTER_EMAIL": email, "GIT_COMMITTER_DATE": UPSTREAM_DATE,
+    }
+
+
+def commit_upstream(ws: Path, up: Upstream, *, parent: str | None = None) -> str:
+    """Commit the pristine tree of ``up`` (on top of ``parent``, if given); tag it ``upstream``."""
+    wheel = pinned_wheel(up)
+    if parent is not None:
+        git(["checkout", "-q", "--detach", parent], ws)
+        git(["rm", "-r", "-q", "--ignore-unmatch", "."], ws)
+        shutil.rmtree(ws / "sglang", ignore_errors=True)
+    extract(wheel, ws)
+    git(["add", "-A", "-f", "."], ws)
+    git(["commit", "-q", "--allow-empty", "--no-verify", "-m", f"Upstream {up.package} {up.version}"],
+        ws, env=_upstream_env())
+    git(["tag", "-f", UPSTREAM_TAG], ws)
+    for key in _CONFIG_KEYS:
+        git(["config", f"sglang-disagg.{key}", getattr(up, key)], ws)
+    return git_text(["rev-parse", "HEAD"], ws)
+
+
+def init_repo(ws: Path) -> None:
+    if ws.exists() and any(ws.iterdir()):
+        raise PatchError(f"{ws}: exists and is not empty; pick a new workspace directory")
+    ws.mkdir(parents=True, exist_ok=True)
+    git(["init", "-q", "."], ws)
+    (ws / ".git" / "info").mkdir(exist_ok=True)
+    (ws / ".git" / "info" / "exclude").write_text("__pycache__/\n*.pyc\n")
+    for key, value in (("user.name", "sglang-disagg patches"), ("user.email", "patches@sglang-disagg.invalid")):
+        git(["config", key, value], ws)
+
+
+def am(ws: Path, patches: list[Path]) -> subprocess.CompletedProcess[bytes] | None:
+    """``git am -3`` the patch files (authors, dates, subjects and bodies kept verbatim)."""
+    if not patches:
+        return None
+    return git(["am", "-3", "--keep", "--keep-cr", "--committer-date-is-author-date", "--quiet",
+                *[str(p.resolve()) for p in patches]], ws, check=False)
+
+
+def am_failure(ws: Path, proc: subprocess.CompletedProcess[bytes]) -> str:
+    """Describe a stopped ``git am``: the patch and the files in conflict."""
+    stopped = ws / ".git" / "rebase-apply"
+    patch_subject = ""
+    if (stopped / "final-commit").is_file():
+        patch_subject = (stopped / "final-commit").read_text().splitlines()[0]
+    files = git_text(["diff", "--name-only", "--diff-filter=U"], ws, check=False)
+    out = proc.stdout + proc.stderr
+    lines = [f"patch '{patch_subject}' does not apply" if patch_subject else "git am stopped"]
+    if files:
+        lines.append("conflicting files:\n    " + "\n    ".join(files.splitlines()))
+    lines.append("git am said:\n    " + "\n    ".join(out.decode(errors="replace").strip().splitlines()[-15:]))
+    return "\n".join(lines)
+
+
+def create(ws: Path, up: Upstream, patches: list[Path]) -> None:
+    """A workspace for ``up`` with ``patches`` applied as commits; raises if one does not apply."""
+    init_repo(ws)
+    commit_upstream(ws, up)
+    proc = am(ws, patches)
+    if proc is not None and proc.returncode != 0:
+        raise PatchError(
+            f"{am_failure(ws, proc)}\nThe committed series does not apply to {up.package} {up.version}; "
+            f"workspace left at {ws} (resolve, `git am --continue`, then export --from it)"
+        )
+
+
+def workspace_upstream(ws: Path) -> Upstream:
+    if not (ws / ".git").is_dir():
+        raise PatchError(f"{ws}: not a workspace (no .git)")
+    values = {k: git_text(["config", "--get", f"sglang-disagg.{k}"], ws, check=False) for k in _CONFIG_KEYS}
+    if not all(values.values()):
+        raise PatchError(f"{ws}: not a workspace made by `python -m sglang_disagg.patches workspace`")
+    return Upstream(**values)
+
+
+_NUMBER_PREFIX = re.compile(r"^\d{4}-")
+
+
+def export(ws: Path) -> Exported:
+    """The commits after ``upstream`` as deterministic ``git format-patch`` files."""
+    if (ws / ".git" / "rebase-apply").exists() or (ws / ".git" / "rebase-merge").exists():
+        raise PatchError(f"{ws}: a git am/rebase is in progress; finish it (git am --continue) first")
+    dirty = git_text(["status", "--porcelain", "--untracked-files=no"], ws)
+    if dirty:
+        raise PatchError(f"{ws}: uncommitted changes; commit (or amend) them first:\n{dirty}")
+    rng = f"{UPSTREAM_TAG}..HEAD"
+    if git_text(["rev-list", "--merges", rng], ws):
+        raise PatchError(f"{ws}: merge commits after '{UPSTREAM_TAG}'; keep the history linear")
+    patches: list[tuple[str, bytes]] = []
+    with tempfile.TemporaryDirectory(prefix="sglang-disagg-export-") as tmp:
+        git([*FORMAT_PATCH_ARGS, "-o", tmp, rng], ws)
+        for path in sorted(Path(tmp).glob("*.patch")):
+            name = _NUMBER_PREFIX.sub("", path.name)
+            if name in (n for n, _ in patches):
+                raise PatchError(f"two commits export to {name}; give one a different subject")
+            patches.append((name, path.read_bytes()))
+    return Exported(tuple(patches))
+
+
+def write_export(exported: Exported, patch_dir: Path, series: Series) -> list[str]:
+    """Write patch files and ``series``; delete stale *.patch files. Returns a change summary."""
+    changes: list[str] = []
+    for name, data in exported.patches:
+        path = patch_dir / name
+        if not path.is_file():
+            changes.append(f"added    {name}")
+        elif path.read_bytes() != data:
+            changes.append(f"updated  {name}")
+        else:
+            continue
+        path.write_bytes(data)
+    keep = set(exported.names)
+    for path in sorted(patch_dir.glob("*.patch")):
+        if path.name not in keep:
+            path.unlink()
+            changes.append(f"removed  {path.name}")
+    new_series = Series(exported.names, series.header).dump()
+    if not (patch_dir / "series").is_file() or (patch_dir / "series").read_text() != new_series:
+        (patch_dir / "series").write_text(new_series)
+        changes.append("updated  series")
+    return changes
