@@ -1,0 +1,358 @@
+"""The transfer-backend contract, shaped for KV pages.
+
+Usage (decode side receives, prefill side writes)::
+
+    be = get_backend("libfabric")(BackendConfig(provider="shm"))
+    region, desc = be.register(addr, length)      # desc: bytes, send it to the writer
+    peer = be.connect("127.0.0.1:40123")          # or accepted: be.wait_peer(timeout)
+    remote = peer.add_remote_region(desc_from_peer)   # validated, bound to that peer
+    fut = be.write(peer, [(region, src_off, remote, dst_off, length), ...], imm=tag)
+    fut.wait(timeout)                             # local completion of the whole batch
+    be.expect(tag, n, timeout_s, peer).wait()     # receiver: n writes tagged `tag` landed
+    peer.send(b"..."); peer2, data = be.recv(timeout)
+    be.close()
+
+Guarantees:
+- Every request is validated in Python (descriptor fields, ownership, bounds, imm range)
+  before anything is posted; violations raise DescriptorError and post nothing.
+- A batch's future completes once, after every write of it completed locally; it fails
+  with TransferError (library text) or PeerLostError.
+- expect() fires once when `count` writes with that immediate landed; it fails with
+  DeadlineExceeded at the deadline and with PeerLostError when the peer is lost.
+- Peer loss is noticed through the control channel within milliseconds (EOF), not only
+  on the next write; all of the peer's batches and expectations then fail.
+- close() fails whatever is pending, deregisters memory and joins every thread.
+- No integer return code escapes: errors are the exceptions in errors.py.
+
+A backend implements the `_native_*` hooks; the shared code here owns the control channel,
+peers, validation, batch bookkeeping and the expected-count tracker.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import queue
+import socket
+import threading
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from typing import Any, ClassVar
+
+from . import control
+from .errors import DeadlineExceeded, DescriptorError, PeerLostError, TransferError
+from .expect import ExpectTracker
+from .future import TransferFuture
+from .peer import Peer
+from .regions import (DESCRIPTOR_VERSION, BackendConfig, MemoryRegion, NativeRegistration, PageWrite,
+                      PeerState, RegionDescriptor, RemoteRegion)
+from .validate import check_write
+
+__all__ = ["BackendConfig", "MemoryRegion", "PageWrite", "Peer", "PeerState", "RegionDescriptor",
+           "RemoteRegion", "TransferBackend", "TransferFuture"]
+
+
+class TransferBackend(ABC):
+    name: ClassVar[str] = "abstract"
+    max_write_bytes: int = 1 << 40
+
+    @classmethod
+    def availability(cls) -> tuple[bool, str]:
+        """(usable here, why not): checked by `python -m sglang_disagg.backends`."""
+        return True, ""
+
+    def __init__(self, config: BackendConfig | None = None) -> None:
+        self.config = config or BackendConfig()
+        self.instance = uuid.uuid4().hex
+        self.provider = self._provider_label()
+        self._lock = threading.Lock()
+        self._peers: dict[str, Peer] = {}
+        self._conn_peer: dict[control.ControlConn, Peer] = {}
+        self._handshakes: dict[control.ControlConn, queue.Queue] = {}
+        self._regions: dict[int, tuple[MemoryRegion, NativeRegistration]] = {}
+        self._region_ids = itertools.count(1)
+        self._batches: dict[int, tuple[str, TransferFuture]] = {}
+        self._batch_ids = itertools.count(1)
+        self._tracker = ExpectTracker(f"{self.name}-expect")
+        self._inbox: queue.Queue[tuple[Peer, bytes]] = queue.Queue()
+        self._accepted: queue.Queue[Peer] = queue.Queue()
+        self._closed = False
+        try:
+            self._native_open()
+        except BaseException:
+            self._tracker.close("open failed")
+            raise
+        self._server = control.ControlServer(self.config.host, self._on_accept)
+
+    # ----- hooks for concrete backends -------------------------------------------------
+    def _provider_label(self) -> str:
+        return self.config.provider or ""
+
+    @abstractmethod
+    def _native_open(self) -> None: ...
+    @abstractmethod
+    def _endpoint_info(self) -> dict[str, Any]: ...
+    @abstractmethod
+    def _native_connect(self, peer: Peer) -> None: ...
+    @abstractmethod
+    def _native_disconnect(self, peer: Peer) -> None: ...
+    @abstractmethod
+    def _native_register(self, addr: int, length: int) -> NativeRegistration: ...
+    @abstractmethod
+    def _native_deregister(self, reg: NativeRegistration) -> None: ...
+    @abstractmethod
+    def _native_post(self, peer: Peer, batch_id: int, writes: Sequence[PageWrite], imm: int) -> None: ...
+    @abstractmethod
+    def _native_close(self) -> None: ...
+
+    def _native_stats(self) -> dict[str, int]:
+        return {}
+
+    # ----- memory ----------------------------------------------------------------------
+    @property
+    def address(self) -> str:
+        """Where peers connect (host:port of the control channel)."""
+        return self._server.address
+
+    def register(self, addr: int, length: int) -> tuple[MemoryRegion, bytes]:
+        self._check_open()
+        if not isinstance(addr, int) or not isinstance(length, int) or addr <= 0 or length <= 0:
+            raise DescriptorError(f"register: need addr > 0 and length > 0, got addr={addr!r} length={length!r}")
+        reg = self._native_register(addr, length)
+        region = MemoryRegion(next(self._region_ids), addr, length, self.instance)
+        with self._lock:
+            self._regions[region.id] = (region, reg)
+        return region, self.descriptor(region)
+
+    def descriptor(self, region: MemoryRegion) -> bytes:
+        _, reg = self._regions[region.id]
+        return RegionDescriptor(DESCRIPTOR_VERSION, self.name, self.provider, self.instance, region.id,
+                                region.length, reg.base, reg.key, dict(reg.extra)).to_bytes()
+
+    def deregister(self, region: MemoryRegion) -> None:
+        with self._lock:
+            entry = self._regions.pop(region.id, None)
+        if entry is None:
+            raise DescriptorError(f"region {region.id} is not registered here")
+        self._native_deregister(entry[1])
+
+    def add_remote_region(self, peer: Peer, raw: bytes | str) -> RemoteRegion:
+        d = RegionDescriptor.from_bytes(raw)
+        if (d.backend, d.provider) != (self.name, self.provider):
+            raise DescriptorError(f"descriptor is for {d.backend}/{d.provider or '-'}, this backend is "
+                                  f"{self.name}/{self.provider or '-'}")
+        if d.owner != peer.id:
+            raise DescriptorError(f"descriptor belongs to instance {d.owner}, not to peer {peer.id}")
+        self._check_remote(peer, d)
+        return RemoteRegion(peer.id, d)
+
+    def _check_remote(self, peer: Peer, d: RegionDescriptor) -> None:
+        """Backend-specific descriptor checks (e.g. required `extra` fields)."""
+
+    # ----- peers -----------------------------------------------------------------------
+    def connect(self, address: str, timeout_s: float | None = None) -> Peer:
+        self._check_open()
+        timeout = timeout_s if timeout_s is not None else self.config.connect_timeout_s
+        conn = control.ControlConn(control.dial(address, timeout), self._on_frame, self._on_conn_lost)
+        box: queue.Queue = queue.Queue()
+        with self._lock:
+            self._handshakes[conn] = box
+        conn.start()
+        try:
+            conn.send_json(control.HELLO, self._hello())
+            try:
+                reply = box.get(timeout=timeout)
+            except queue.Empty:
+                raise DeadlineExceeded(f"no handshake reply from {address} in {timeout} s") from None
+            if isinstance(reply, BaseException):
+                raise reply
+            return reply
+        except BaseException:
+            with self._lock:
+                self._handshakes.pop(conn, None)
+            conn.close(say_bye=False)
+            raise
+
+    def wait_peer(self, timeout_s: float) -> Peer:
+        """Next peer that connected to us."""
+        try:
+            return self._accepted.get(timeout=timeout_s)
+        except queue.Empty:
+            raise DeadlineExceeded(f"no peer connected within {timeout_s} s") from None
+
+    def peers(self) -> list[Peer]:
+        with self._lock:
+            return list(self._peers.values())
+
+    def _hello(self) -> dict[str, Any]:
+        return {"v": DESCRIPTOR_VERSION, "backend": self.name, "provider": self.provider,
+                "instance": self.instance, "address": self.address, "endpoint": self._endpoint_info()}
+
+    def _admit(self, conn: control.ControlConn, hello: dict[str, Any]) -> Peer:
+        if (hello.get("v"), hello.get("backend"), hello.get("provider")) != (DESCRIPTOR_VERSION, self.name, self.provider):
+            raise TransferError(f"peer runs {hello.get('backend')}/{hello.get('provider')} v{hello.get('v')}, "
+                                f"we run {self.name}/{self.provider} v{DESCRIPTOR_VERSION}")
+        peer = Peer(self, conn, str(hello["instance"]), str(hello["address"]), hello.get("endpoint") or {})
+        self._native_connect(peer)
+        with self._lock:
+            self._handshakes.pop(conn, None)
+            self._peers[peer.id] = peer
+            self._conn_peer[conn] = peer
+        return peer
+
+    def _on_accept(self, sock: socket.socket) -> None:
+        if self._closed:
+            sock.close()
+            return
+        control.ControlConn(sock, self._on_frame, self._on_conn_lost).start()
+
+    def _on_frame(self, conn: control.ControlConn, kind: int, payload: bytes) -> None:
+        if kind == control.HELLO:
+            hello = json.loads(payload)
+            with self._lock:
+                box = self._handshakes.get(conn)
+            if box is not None:            # reply to our own connect(): admit here, before
+                try:                       # this reader thread reads the peer's next frame
+                    box.put(self._admit(conn, hello))
+                except Exception as e:  # noqa: BLE001 - handed to connect() to raise
+                    box.put(e)
+                return
+            try:                           # an incoming peer
+                peer = self._admit(conn, hello)
+                conn.send_json(control.HELLO, self._hello())
+            except Exception:
+                conn.close(say_bye=False)
+                return
+            self._accepted.put(peer)
+            return
+        peer = self._conn_peer.get(conn)
+        if peer is None:
+            return
+        if kind == control.MSG:
+            self._inbox.put((peer, payload))
+        elif kind == control.NOTIFY:
+            note = json.loads(payload)
+            self._tracker.add(int(note["tag"]), int(note["count"]))
+
+    def _on_conn_lost(self, conn: control.ControlConn, reason: str) -> None:
+        with self._lock:
+            box = self._handshakes.pop(conn, None)
+            peer = self._conn_peer.pop(conn, None)
+        if box is not None:
+            box.put(PeerLostError(f"handshake failed: {reason}"))
+        if peer is not None:
+            self._drop_peer(peer, PeerState.LOST, reason)
+
+    def _drop_peer(self, peer: Peer, state: PeerState, reason: str) -> None:
+        with self._lock:
+            if peer.state is not PeerState.CONNECTED:
+                return
+            peer.state = state
+            self._peers.pop(peer.id, None)
+            failed = [(bid, fut) for bid, (pid, fut) in self._batches.items() if pid == peer.id]
+            for bid, _ in failed:
+                del self._batches[bid]
+        try:
+            self._native_disconnect(peer)
+        finally:
+            err = PeerLostError(f"peer {peer.address} ({peer.id[:8]}) {state.value}: {reason}")
+            for _, fut in failed:
+                fut.set_exception(err)
+            self._tracker.peer_lost(peer.id, reason)
+
+    # ----- data path -------------------------------------------------------------------
+    def write(self, peer: Peer, writes: Iterable[PageWrite | tuple], imm: int) -> TransferFuture:
+        """Post a batch of writes, each carrying immediate `imm`; the future completes when all did."""
+        self._check_open()
+        if peer.state is not PeerState.CONNECTED:
+            raise PeerLostError(f"peer {peer.address} is {peer.state.value}")
+        if isinstance(imm, bool) or not isinstance(imm, int) or not 0 <= imm < 2**32:
+            raise DescriptorError(f"immediate {imm!r} is not a 32-bit unsigned integer")
+        checked = [check_write(self, peer, w, i) for i, w in enumerate(writes)]
+        fut = TransferFuture(f"{self.name} batch to {peer.address}")
+        if not checked:
+            fut.set_result(0)
+            return fut
+        batch_id = next(self._batch_ids)
+        with self._lock:
+            self._batches[batch_id] = (peer.id, fut)
+        try:
+            self._native_post(peer, batch_id, checked, imm)
+        except BaseException:
+            with self._lock:
+                self._batches.pop(batch_id, None)
+            raise
+        return fut
+
+    def write_pages(self, peer: Peer, src: MemoryRegion, src_pages: Sequence[int], src_stride: int,
+                    dst: RemoteRegion, dst_pages: Sequence[int], dst_stride: int, length: int, imm: int,
+                    src_offset: int = 0, dst_offset: int = 0) -> TransferFuture:
+        """Paged form: page i goes from src_pages[i]*src_stride+src_offset to the same in dst."""
+        if len(src_pages) != len(dst_pages):
+            raise DescriptorError(f"{len(src_pages)} source pages but {len(dst_pages)} destination pages")
+        return self.write(peer, [PageWrite(src, s * src_stride + src_offset, dst, d * dst_stride + dst_offset, length)
+                                 for s, d in zip(src_pages, dst_pages)], imm)
+
+    def _complete_batch(self, batch_id: int, error: str | None = None, lost: bool = False) -> None:
+        """Called by backends' progress code; unknown ids (already failed) are ignored."""
+        with self._lock:
+            entry = self._batches.pop(batch_id, None)
+        if entry is None:
+            return
+        if error is None:
+            entry[1].set_result(None)
+        else:
+            entry[1].set_exception((PeerLostError if lost else TransferError)(error))
+
+    def expect(self, tag: int, count: int, timeout_s: float, peer: Peer | None = None) -> TransferFuture:
+        self._check_open()
+        if peer is not None and peer.state is not PeerState.CONNECTED:
+            fut = TransferFuture()
+            fut.set_exception(PeerLostError(f"peer {peer.address} is {peer.state.value}"))
+            return fut
+        return self._tracker.expect(tag, count, timeout_s, peer.id if peer else None)
+
+    def forget(self, tag: int) -> None:
+        self._tracker.forget(tag)
+
+    # ----- messages, stats, close ------------------------------------------------------
+    def recv(self, timeout_s: float) -> tuple[Peer, bytes]:
+        try:
+            return self._inbox.get(timeout=timeout_s)
+        except queue.Empty:
+            raise DeadlineExceeded(f"no control message within {timeout_s} s") from None
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            base = {"peers": len(self._peers), "batches": len(self._batches), "regions": len(self._regions)}
+        return base | {"expectations": self._tracker.pending()} | self._native_stats()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._server.close()
+        for peer in self.peers():
+            peer.close()
+        with self._lock:
+            batches, self._batches = list(self._batches.values()), {}
+            regions, self._regions = list(self._regions.values()), {}
+        for _, fut in batches:
+            fut.set_exception(TransferError("backend closed"))
+        self._tracker.close("backend closed")
+        try:
+            for _, reg in regions:
+                self._native_deregister(reg)
+        finally:
+            self._native_close()
+
+    def __enter__(self) -> TransferBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransferError(f"{self.name} backend is closed")

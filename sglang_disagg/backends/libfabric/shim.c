@@ -1,0 +1,438 @@
+/* libfabric RDM shim: one endpoint, one CQ, one AV per shim_ep.
+ * Locking: one mutex serialises every libfabric call on the endpoint, so we can
+ * ask for FI_THREAD_DOMAIN (cheapest) while Python posts and polls from two threads.
+ * Progress: manual-progress providers (shm, tcp;ofi_rxm) only move data when the
+ * CQ is read, so posting drains the CQ on -FI_EAGAIN, and idle polling yields:
+ * on 2 vCPUs a spinning poller starves the peer's progress. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <rdma/fabric.h>
+#include <rdma/fi_cm.h>
+#include <rdma/fi_domain.h>
+#include <rdma/fi_endpoint.h>
+#include <rdma/fi_eq.h>
+#include <rdma/fi_errno.h>
+#include <rdma/fi_rma.h>
+#include "shim.h"
+
+#define N_RECV 256
+#define CQ_BATCH 64
+
+enum { OP_WRITE = 1, OP_RECV = 2 };
+
+struct shim_batch;
+struct shim_op { struct fi_context2 ctx; struct shim_batch *b; int kind; };
+
+struct shim_batch {
+    struct shim_batch *next, *prev;
+    uint64_t id, peer;
+    size_t remaining, failed;
+    int internal, abandoned, status;
+    char msg[192];
+    struct shim_op ops[];
+};
+
+struct imm_count { uint32_t tag; uint64_t count; };
+struct mr_slot { struct fid_mr *mr; void *buf; size_t len; void *desc; };
+
+struct shim_ep {
+    pthread_mutex_t lock;
+    struct fi_info *info;
+    struct fid_fabric *fabric;
+    struct fid_domain *domain;
+    struct fid_av *av;
+    struct fid_cq *cq;
+    struct fid_ep *ep;
+    shim_info si;
+    struct mr_slot *mrs; size_t n_mrs;
+    uint64_t next_key;
+    struct shim_batch live;          /* sentinel of the list of batches in flight */
+    struct shim_batch *done_head;    /* finished, not yet reported */
+    struct imm_count *imms; size_t n_imms, cap_imms;
+    struct shim_op recv_ops[N_RECV];
+    char async_msg[192]; int async_status;
+};
+
+static void set_err(char *err, size_t len, const char *what, int ret) {
+    if (err && len) snprintf(err, len, "%s: %s (%d)", what, fi_strerror(ret < 0 ? -ret : ret), ret);
+}
+
+static int64_t now_ns(void) {
+    struct timespec ts; clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static void list_del(struct shim_batch *b) { b->prev->next = b->next; b->next->prev = b->prev; }
+
+static void batch_finished(shim_ep *e, struct shim_batch *b) {
+    list_del(b);
+    if (b->internal) return;           /* shim_bench owns it and is watching remaining */
+    if (b->abandoned) { free(b); return; }
+    b->next = e->done_head; e->done_head = b;
+}
+
+static void count_imm(shim_ep *e, uint32_t tag) {
+    for (size_t i = e->n_imms; i-- > 0;)
+        if (e->imms[i].tag == tag) { e->imms[i].count++; return; }
+    if (e->n_imms == e->cap_imms) {
+        size_t cap = e->cap_imms ? 2 * e->cap_imms : 64;
+        struct imm_count *p = realloc(e->imms, cap * sizeof *p);
+        if (!p) return;  /* counted as missing: the receiver's deadline reports it */
+        e->imms = p; e->cap_imms = cap;
+    }
+    e->imms[e->n_imms].tag = tag; e->imms[e->n_imms].count = 1; e->n_imms++;
+}
+
+static void post_recv(shim_ep *e, struct shim_op *op) {
+    op->kind = OP_RECV; op->b = NULL;
+    fi_recv(e->ep, NULL, 0, NULL, FI_ADDR_UNSPEC, &op->ctx);
+}
+
+/* Caller holds the lock. Returns entries consumed. */
+static int drain(shim_ep *e) {
+    struct fi_cq_data_entry ent[CQ_BATCH];
+    int total = 0;
+    for (;;) {
+        ssize_t n = fi_cq_read(e->cq, ent, CQ_BATCH);
+        if (n == -FI_EAGAIN) return total;
+        if (n == -FI_EAVAIL) {
+            struct fi_cq_err_entry ee; memset(&ee, 0, sizeof ee);
+            if (fi_cq_readerr(e->cq, &ee, 0) <= 0) return total;
+            struct shim_op *op = ee.op_context;
+            char prov[128]; prov[0] = 0;
+            fi_cq_strerror(e->cq, ee.prov_errno, ee.err_data, prov, sizeof prov);
+            if (op && op->kind == OP_WRITE) {
+                struct shim_batch *b = op->b;
+                if (!b->status) {
+                    b->status = ee.err ? ee.err : FI_EOTHER;
+                    snprintf(b->msg, sizeof b->msg, "fi_writedata completion: %s (%s)",
+                             fi_strerror(b->status), prov);
+                }
+                b->failed++;
+                if (--b->remaining == 0) batch_finished(e, b);
+            } else if (op && op->kind == OP_RECV) {
+                if (ee.err != FI_ECANCELED) post_recv(e, op);
+            } else if (!e->async_status) {
+                e->async_status = ee.err ? ee.err : FI_EOTHER;
+                snprintf(e->async_msg, sizeof e->async_msg, "cq error: %s (%s)",
+                         fi_strerror(e->async_status), prov);
+            }
+            total++;
+            continue;
+        }
+        if (n < 0) {
+            if (!e->async_status) {
+                e->async_status = (int)-n;
+                snprintf(e->async_msg, sizeof e->async_msg, "fi_cq_read: %s", fi_strerror((int)-n));
+            }
+            return total;
+        }
+        for (ssize_t i = 0; i < n; i++) {
+            struct shim_op *op = ent[i].op_context;
+            if (ent[i].flags & FI_REMOTE_CQ_DATA) count_imm(e, (uint32_t)ent[i].data);
+            if (op && op->kind == OP_WRITE) {
+                struct shim_batch *b = op->b;
+                if (--b->remaining == 0) batch_finished(e, b);
+            } else if (op && op->kind == OP_RECV) {
+                post_recv(e, op);
+            }
+        }
+        total += (int)n;
+        if (n < CQ_BATCH) return total;
+    }
+}
+
+static void idle(int *spins) {
+    /* yield first (latency), then sleep: a yielding loop still burns a core */
+    if (++*spins < 2000) { sched_yield(); return; }
+    struct timespec ts = {0, 50000}; nanosleep(&ts, NULL);
+}
+
+int shim_open(const char *prov, const char *node, shim_ep **out, char *err, size_t errlen) {
+    shim_ep *e = calloc(1, sizeof *e);
+    struct fi_info *hints = fi_allocinfo();
+    int ret;
+    if (!e || !hints) { set_err(err, errlen, "alloc", -FI_ENOMEM); free(e); return -FI_ENOMEM; }
+    pthread_mutex_init(&e->lock, NULL);
+    e->live.next = e->live.prev = &e->live;
+    e->next_key = 1;
+    hints->caps = FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_MSG;
+    hints->mode = FI_CONTEXT | FI_CONTEXT2 | FI_RX_CQ_DATA;
+    hints->ep_attr->type = FI_EP_RDM;
+    hints->domain_attr->threading = FI_THREAD_DOMAIN;
+    hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED |
+                                  FI_MR_PROV_KEY | FI_MR_ENDPOINT;
+    hints->fabric_attr->prov_name = strdup(prov);
+    ret = fi_getinfo(FI_VERSION(1, 17), node, NULL, node ? FI_SOURCE : 0, hints, &e->info);
+    fi_freeinfo(hints);
+    if (ret) { set_err(err, errlen, "fi_getinfo", ret); free(e); return ret; }
+    struct fi_info *fi = e->info;
+    if ((ret = fi_fabric(fi->fabric_attr, &e->fabric, NULL))) { set_err(err, errlen, "fi_fabric", ret); goto fail; }
+    if ((ret = fi_domain(e->fabric, fi, &e->domain, NULL))) { set_err(err, errlen, "fi_domain", ret); goto fail; }
+    struct fi_av_attr av_attr = { .type = FI_AV_UNSPEC };
+    if ((ret = fi_av_open(e->domain, &av_attr, &e->av, NULL))) { set_err(err, errlen, "fi_av_open", ret); goto fail; }
+    struct fi_cq_attr cq_attr = { .format = FI_CQ_FORMAT_DATA, .wait_obj = FI_WAIT_NONE };
+    if ((ret = fi_cq_open(e->domain, &cq_attr, &e->cq, NULL))) { set_err(err, errlen, "fi_cq_open", ret); goto fail; }
+    if ((ret = fi_endpoint(e->domain, fi, &e->ep, NULL))) { set_err(err, errlen, "fi_endpoint", ret); goto fail; }
+    if ((ret = fi_ep_bind(e->ep, &e->av->fid, 0))) { set_err(err, errlen, "fi_ep_bind(av)", ret); goto fail; }
+    if ((ret = fi_ep_bind(e->ep, &e->cq->fid, FI_TRANSMIT | FI_RECV))) { set_err(err, errlen, "fi_ep_bind(cq)", ret); goto fail; }
+    if ((ret = fi_enable(e->ep))) { set_err(err, errlen, "fi_enable", ret); goto fail; }
+    shim_info *si = &e->si;
+    snprintf(si->prov, sizeof si->prov, "%s", fi->fabric_attr->prov_name);
+    snprintf(si->fabric, sizeof si->fabric, "%s", fi->fabric_attr->name ? fi->fabric_attr->name : "");
+    snprintf(si->domain, sizeof si->domain, "%s", fi->domain_attr->name ? fi->domain_attr->name : "");
+    si->mr_mode = (uint64_t)fi->domain_attr->mr_mode;
+    si->mode = fi->mode;
+    si->max_msg_size = fi->ep_attr->max_msg_size;
+    si->tx_size = fi->tx_attr->size;
+    si->key_size = fi->domain_attr->mr_key_size;
+    si->virt_addr = !!(fi->domain_attr->mr_mode & FI_MR_VIRT_ADDR);
+    si->prov_key = !!(fi->domain_attr->mr_mode & FI_MR_PROV_KEY);
+    si->mr_local = !!(fi->domain_attr->mr_mode & FI_MR_LOCAL);
+    si->rx_cq_data = !!(fi->mode & FI_RX_CQ_DATA);
+    if (si->rx_cq_data)
+        for (int i = 0; i < N_RECV; i++) post_recv(e, &e->recv_ops[i]);
+    *out = e;
+    return 0;
+fail:
+    shim_close(e);
+    return ret;
+}
+
+int shim_get_info(shim_ep *e, shim_info *info) { *info = e->si; return 0; }
+
+int shim_getname(shim_ep *e, void *buf, size_t *len, char *err, size_t errlen) {
+    int ret = fi_getname(&e->ep->fid, buf, len);
+    if (ret) set_err(err, errlen, "fi_getname", ret);
+    return ret;
+}
+
+int shim_av_insert(shim_ep *e, const void *addr, uint64_t *fi_addr, char *err, size_t errlen) {
+    fi_addr_t a = FI_ADDR_NOTAVAIL;
+    pthread_mutex_lock(&e->lock);
+    int ret = fi_av_insert(e->av, addr, 1, &a, 0, NULL);
+    pthread_mutex_unlock(&e->lock);
+    if (ret != 1) {
+        set_err(err, errlen, "fi_av_insert", ret < 0 ? ret : -FI_EADDRNOTAVAIL);
+        return ret < 0 ? ret : -FI_EADDRNOTAVAIL;
+    }
+    *fi_addr = a;
+    return 0;
+}
+
+int shim_av_remove(shim_ep *e, uint64_t fi_addr, char *err, size_t errlen) {
+    fi_addr_t a = fi_addr;
+    pthread_mutex_lock(&e->lock);
+    int ret = fi_av_remove(e->av, &a, 1, 0);
+    pthread_mutex_unlock(&e->lock);
+    if (ret) set_err(err, errlen, "fi_av_remove", ret);
+    return ret;
+}
+
+int shim_mr_reg(shim_ep *e, void *buf, size_t len, uint64_t *handle, uint64_t *key,
+                uint64_t *base, char *err, size_t errlen) {
+    struct fid_mr *mr = NULL;
+    int ret;
+    pthread_mutex_lock(&e->lock);
+    uint64_t want = e->si.prov_key ? 0 : e->next_key++;
+    ret = fi_mr_reg(e->domain, buf, len, FI_WRITE | FI_REMOTE_WRITE, 0, want, 0, &mr, NULL);
+    if (ret) { set_err(err, errlen, "fi_mr_reg", ret); goto out; }
+    if (e->si.mr_mode & FI_MR_ENDPOINT) {
+        if ((ret = fi_mr_bind(mr, &e->ep->fid, 0)) || (ret = fi_mr_enable(mr))) {
+            set_err(err, errlen, "fi_mr_bind/enable", ret); fi_close(&mr->fid); goto out;
+        }
+    }
+    size_t slot = e->n_mrs;
+    for (size_t i = 0; i < e->n_mrs; i++) if (!e->mrs[i].mr) { slot = i; break; }
+    if (slot == e->n_mrs) {
+        struct mr_slot *p = realloc(e->mrs, (e->n_mrs + 1) * sizeof *p);
+        if (!p) { ret = -FI_ENOMEM; set_err(err, errlen, "alloc", ret); fi_close(&mr->fid); goto out; }
+        e->mrs = p; e->n_mrs++;
+    }
+    e->mrs[slot] = (struct mr_slot){ mr, buf, len, fi_mr_desc(mr) };
+    *handle = slot;
+    *key = fi_mr_key(mr);
+    *base = e->si.virt_addr ? (uint64_t)(uintptr_t)buf : 0;
+out:
+    pthread_mutex_unlock(&e->lock);
+    return ret;
+}
+
+int shim_mr_close(shim_ep *e, uint64_t handle, char *err, size_t errlen) {
+    int ret = -FI_EINVAL;
+    pthread_mutex_lock(&e->lock);
+    if (handle < e->n_mrs && e->mrs[handle].mr) {
+        ret = fi_close(&e->mrs[handle].mr->fid);
+        e->mrs[handle].mr = NULL;
+    }
+    pthread_mutex_unlock(&e->lock);
+    if (ret) set_err(err, errlen, "fi_close(mr)", ret);
+    return ret;
+}
+
+/* Caller holds the lock. */
+static int post_locked(shim_ep *e, struct shim_batch *b, size_t n, const uint64_t *mr,
+                       const uint64_t *src_off, const uint64_t *raddr, const uint64_t *rkey,
+                       const uint64_t *len, uint32_t imm, char *err, size_t errlen) {
+    b->remaining = n;
+    b->next = e->live.next; b->prev = &e->live; e->live.next->prev = b; e->live.next = b;
+    for (size_t i = 0; i < n; i++) {
+        struct mr_slot *s = mr[i] < e->n_mrs ? &e->mrs[mr[i]] : NULL;
+        if (!s || !s->mr || src_off[i] + len[i] > s->len) {
+            set_err(err, errlen, "shim_post: local range outside its region", -FI_EINVAL);
+            b->remaining -= n - i;
+            if (b->remaining == 0) { list_del(b); free(b); }
+            else { b->internal = 0; b->abandoned = 1; }
+            return -FI_EINVAL;
+        }
+        struct shim_op *op = &b->ops[i];
+        op->b = b; op->kind = OP_WRITE;
+        int spins = 0;
+        for (;;) {
+            ssize_t ret = fi_writedata(e->ep, (char *)s->buf + src_off[i], len[i], s->desc,
+                                       imm, b->peer, raddr[i], rkey[i], &op->ctx);
+            if (ret == 0) break;
+            if (ret != -FI_EAGAIN) {
+                set_err(err, errlen, "fi_writedata", (int)ret);
+                b->remaining -= n - i;
+                if (b->remaining == 0) { list_del(b); free(b); }
+                else { b->internal = 0; b->abandoned = 1; }
+                return (int)ret;
+            }
+            if (drain(e) == 0) {  /* queue full and nothing completed: let the peer run */
+                pthread_mutex_unlock(&e->lock); idle(&spins); pthread_mutex_lock(&e->lock);
+            }
+        }
+    }
+    return 0;
+}
+
+static struct shim_batch *new_batch(uint64_t id, uint64_t peer, size_t n) {
+    struct shim_batch *b = calloc(1, sizeof *b + n * sizeof(struct shim_op));
+    if (b) { b->id = id; b->peer = peer; }
+    return b;
+}
+
+int shim_post(shim_ep *e, uint64_t batch_id, uint64_t peer, size_t n,
+              const uint64_t *mr, const uint64_t *src_off, const uint64_t *raddr,
+              const uint64_t *rkey, const uint64_t *len, uint32_t imm, char *err, size_t errlen) {
+    struct shim_batch *b = new_batch(batch_id, peer, n);
+    if (!b) { set_err(err, errlen, "alloc", -FI_ENOMEM); return -FI_ENOMEM; }
+    pthread_mutex_lock(&e->lock);
+    int ret = n ? post_locked(e, b, n, mr, src_off, raddr, rkey, len, imm, err, errlen) : 0;
+    if (n == 0) { b->next = e->done_head; e->done_head = b; }
+    pthread_mutex_unlock(&e->lock);
+    return ret;
+}
+
+static int collect(shim_ep *e, shim_event *ev, int cap) {
+    int k = 0;
+    while (k < cap && e->done_head) {
+        struct shim_batch *b = e->done_head;
+        e->done_head = b->next;
+        shim_event *v = &ev[k++];
+        memset(v, 0, sizeof *v);
+        v->kind = 1; v->id = b->id; v->status = b->status; v->count = b->failed;
+        memcpy(v->msg, b->msg, sizeof v->msg);
+        free(b);
+    }
+    while (k < cap && e->n_imms) {
+        struct imm_count *c = &e->imms[--e->n_imms];
+        shim_event *v = &ev[k++];
+        memset(v, 0, sizeof *v);
+        v->kind = 2; v->tag = c->tag; v->count = c->count;
+    }
+    if (k < cap && e->async_status) {
+        shim_event *v = &ev[k++];
+        memset(v, 0, sizeof *v);
+        v->kind = 3; v->status = e->async_status;
+        memcpy(v->msg, e->async_msg, sizeof v->msg);
+        e->async_status = 0;
+    }
+    return k;
+}
+
+int shim_poll(shim_ep *e, shim_event *ev, int cap, int timeout_us) {
+    int64_t end = now_ns() + (int64_t)timeout_us * 1000;
+    int spins = 0;
+    for (;;) {
+        pthread_mutex_lock(&e->lock);
+        int got = drain(e);
+        int k = collect(e, ev, cap);
+        pthread_mutex_unlock(&e->lock);
+        if (k) return k;
+        if (now_ns() >= end) return 0;
+        if (got) spins = 0; else idle(&spins);
+    }
+}
+
+int shim_abandon_peer(shim_ep *e, uint64_t peer) {
+    int k = 0;
+    pthread_mutex_lock(&e->lock);
+    for (struct shim_batch *b = e->live.next; b != &e->live; b = b->next)
+        if (b->peer == peer && !b->abandoned) { b->abandoned = 1; k++; }
+    pthread_mutex_unlock(&e->lock);
+    return k;
+}
+
+int shim_live_batches(shim_ep *e) {
+    int k = 0;
+    pthread_mutex_lock(&e->lock);
+    for (struct shim_batch *b = e->live.next; b != &e->live; b = b->next) k++;
+    for (struct shim_batch *b = e->done_head; b; b = b->next) k++;
+    pthread_mutex_unlock(&e->lock);
+    return k;
+}
+
+int64_t shim_bench(shim_ep *e, uint64_t peer, size_t n, const uint64_t *mr,
+                   const uint64_t *src_off, const uint64_t *raddr, const uint64_t *rkey,
+                   const uint64_t *len, uint32_t imm, int iters, int64_t *lat_ns,
+                   char *err, size_t errlen) {
+    int64_t t0 = now_ns();
+    for (int it = 0; it < iters; it++) {
+        int64_t t1 = now_ns();
+        struct shim_batch *b = new_batch(0, peer, n);
+        if (!b) { set_err(err, errlen, "alloc", -FI_ENOMEM); return -FI_ENOMEM; }
+        b->internal = 1;  /* never reported to Python; freed here */
+        pthread_mutex_lock(&e->lock);
+        int ret = post_locked(e, b, n, mr, src_off, raddr, rkey, len, imm, err, errlen);
+        if (ret) { pthread_mutex_unlock(&e->lock); return ret; }
+        int spins = 0;
+        while (b->remaining) {
+            if (drain(e) == 0) { pthread_mutex_unlock(&e->lock); idle(&spins); pthread_mutex_lock(&e->lock); }
+        }
+        int status = b->status;
+        if (status) snprintf(err, errlen, "%s", b->msg);
+        free(b);
+        pthread_mutex_unlock(&e->lock);
+        if (status) return -status;
+        if (lat_ns) lat_ns[it] = now_ns() - t1;
+    }
+    return now_ns() - t0;
+}
+
+void shim_close(shim_ep *e) {
+    if (!e) return;
+    pthread_mutex_lock(&e->lock);
+    for (size_t i = 0; i < e->n_mrs; i++) if (e->mrs[i].mr) fi_close(&e->mrs[i].mr->fid);
+    if (e->ep) fi_close(&e->ep->fid);
+    if (e->av) fi_close(&e->av->fid);
+    if (e->cq) fi_close(&e->cq->fid);
+    if (e->domain) fi_close(&e->domain->fid);
+    if (e->fabric) fi_close(&e->fabric->fid);
+    if (e->info) fi_freeinfo(e->info);
+    /* in-flight ops died with the endpoint: free their batches */
+    while (e->live.next != &e->live) { struct shim_batch *b = e->live.next; list_del(b); free(b); }
+    while (e->done_head) { struct shim_batch *b = e->done_head; e->done_head = b->next; free(b); }
+    pthread_mutex_unlock(&e->lock);
+    free(e->mrs); free(e->imms);
+    pthread_mutex_destroy(&e->lock);
+    free(e);
+}

@@ -1,0 +1,50 @@
+/* Small C shim over libfabric used through cffi (API mode).
+ * Everything on the data path (posting, CQ polling) lives here so that Python
+ * pays once per batch, and every call may run with the GIL released.
+ * This header is also the cffi cdef: keep it free of preprocessor logic. */
+
+typedef struct shim_ep shim_ep;
+
+typedef struct {
+    int kind;          /* 1 = batch done, 2 = immediates counted, 3 = async error */
+    int status;        /* 0 or the libfabric errno of the first failed op */
+    uint32_t tag;      /* immediate (kind 2) */
+    uint64_t id;       /* batch id (kind 1) */
+    uint64_t count;    /* immediates (kind 2) or failed ops (kind 1) */
+    char msg[192];     /* fi_strerror + provider text of the first failure */
+} shim_event;
+
+typedef struct {
+    char prov[64];
+    char fabric[64];
+    char domain[64];
+    uint64_t mr_mode;
+    uint64_t mode;
+    uint64_t max_msg_size;
+    uint64_t tx_size;
+    uint64_t key_size;
+    int virt_addr;     /* remote addresses are virtual addresses, not offsets */
+    int prov_key;      /* keys chosen by the provider */
+    int mr_local;      /* local buffers need a registered descriptor */
+    int rx_cq_data;    /* remote CQ data consumes a posted receive */
+} shim_info;
+
+int shim_open(const char *prov, const char *node, shim_ep **out, char *err, size_t errlen);
+int shim_get_info(shim_ep *ep, shim_info *info);
+int shim_getname(shim_ep *ep, void *buf, size_t *len, char *err, size_t errlen);
+int shim_av_insert(shim_ep *ep, const void *addr, uint64_t *fi_addr, char *err, size_t errlen);
+int shim_av_remove(shim_ep *ep, uint64_t fi_addr, char *err, size_t errlen);
+int shim_mr_reg(shim_ep *ep, void *buf, size_t len, uint64_t *handle, uint64_t *key,
+                uint64_t *base, char *err, size_t errlen);
+int shim_mr_close(shim_ep *ep, uint64_t handle, char *err, size_t errlen);
+int shim_post(shim_ep *ep, uint64_t batch_id, uint64_t peer, size_t n,
+              const uint64_t *mr, const uint64_t *src_off, const uint64_t *raddr,
+              const uint64_t *rkey, const uint64_t *len, uint32_t imm, char *err, size_t errlen);
+int shim_poll(shim_ep *ep, shim_event *ev, int cap, int timeout_us);
+int shim_abandon_peer(shim_ep *ep, uint64_t peer);
+int shim_live_batches(shim_ep *ep);
+int64_t shim_bench(shim_ep *ep, uint64_t peer, size_t n, const uint64_t *mr,
+                   const uint64_t *src_off, const uint64_t *raddr, const uint64_t *rkey,
+                   const uint64_t *len, uint32_t imm, int iters, int64_t *lat_ns,
+                   char *err, size_t errlen);
+void shim_close(shim_ep *ep);
