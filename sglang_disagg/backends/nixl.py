@@ -1,0 +1,214 @@
+"""NIXL adapter (UCX plugin, host DRAM).
+
+Mapping onto the contract:
+- immediates: NIXL has no counters; each batch is one NIXL transfer whose notification
+  ("sgd1 <tag> <count>", delivered after the data) credits `count` writes to `tag`.
+- metadata: agent metadata travels in the hello and, refreshed after each registration,
+  in every region descriptor, so regions registered after connecting are reachable.
+- failures: "ERR" states and NIXL exceptions become TransferError with NIXL's text;
+  peer loss comes from the control channel (UCX error mode "none" never reports it).
+- UCX: error-handling mode "none" (the default "peer" mode excludes shared-memory
+  transports and loses target->initiator notifications); UCX_NET_DEVICES=lo on loopback.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from .base import TransferBackend
+from .errors import BackendUnavailable, DescriptorError, TransferError
+from .peer import Peer
+from .regions import NativeRegistration, PageWrite, RegionDescriptor
+
+_NOTIF = b"sgd1 "
+
+
+def _import_nixl() -> Any:
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config
+    except Exception as e:  # noqa: BLE001 - nixl raises more than ImportError when half-installed
+        raise BackendUnavailable(
+            f"NIXL not importable ({e}): pip install nixl==1.5.1 nixl-cu13==1.5.1 --no-deps") from e
+    return nixl_agent, nixl_agent_config
+
+
+class NixlBackend(TransferBackend):
+    name = "nixl"
+
+    @classmethod
+    def availability(cls) -> tuple[bool, str]:
+        try:
+            _import_nixl()
+        except BackendUnavailable as e:
+            return False, str(e)
+        return True, "UCX plugin, DRAM"
+
+    def _provider_label(self) -> str:
+        return "ucx"
+
+    def _native_open(self) -> None:
+        nixl_agent, nixl_agent_config = _import_nixl()
+        if self.config.host.startswith("127."):
+            os.environ.setdefault("UCX_NET_DEVICES", "lo")
+        self._agent_name = f"sgd-{self.instance}"
+        try:
+            self._agent = nixl_agent(self._agent_name, nixl_agent_config(enable_prog_thread=True, backends=[]))
+            mode = str(self.config.options.get("ucx_error_handling_mode", "none"))
+            self._agent.create_backend("UCX", {"ucx_error_handling_mode": mode})
+        except Exception as e:  # noqa: BLE001 - NIXL raises its own exception types
+            raise BackendUnavailable(f"NIXL agent/UCX backend creation failed: {e}") from e
+        self._xfers: dict[int, tuple[Any, str]] = {}   # batch id -> (handle, peer id)
+        self._zombies: list[Any] = []                   # handles NIXL would not release yet
+        self._xlock = threading.Lock()
+        self._stop = threading.Event()
+        self._poller = threading.Thread(target=self._poll_loop, name="nixl-progress", daemon=True)
+        self._poller.start()
+
+    def _metadata(self) -> str:
+        return base64.b64encode(self._agent.get_agent_metadata()).decode()
+
+    def _endpoint_info(self) -> dict[str, Any]:
+        return {"agent": self._agent_name, "md": self._metadata()}
+
+    def _load_remote(self, md_b64: str) -> str:
+        try:
+            name = self._agent.add_remote_agent(base64.b64decode(md_b64))
+        except Exception as e:  # noqa: BLE001
+            raise TransferError(f"NIXL add_remote_agent: {e}") from e
+        return name.decode() if isinstance(name, bytes) else str(name)
+
+    def _native_connect(self, peer: Peer) -> None:
+        if "agent" not in peer.endpoint or "md" not in peer.endpoint:
+            raise TransferError("peer hello lacks NIXL agent metadata")
+        peer.native = self._load_remote(peer.endpoint["md"])
+
+    def _check_remote(self, peer: Peer, d: RegionDescriptor) -> None:
+        if d.extra.get("agent") != peer.native or not isinstance(d.extra.get("md"), str):
+            raise DescriptorError(f"NIXL descriptor names agent {d.extra.get('agent')!r}, peer is {peer.native!r}")
+        # Re-load the agent metadata carried by the descriptor: it knows this region.
+        with contextlib.suppress(TransferError):
+            self._agent.remove_remote_agent(peer.native)
+        self._load_remote(d.extra["md"])
+
+    def _native_disconnect(self, peer: Peer) -> None:
+        with self._xlock:
+            dead = [bid for bid, (_, pid) in self._xfers.items() if pid == peer.id]
+            for bid in dead:
+                self._zombies.append(self._xfers.pop(bid)[0])
+        self._reap()
+        if peer.native is not None:
+            with contextlib.suppress(Exception):
+                self._agent.remove_remote_agent(peer.native)
+            peer.native = None
+
+    def _native_register(self, addr: int, length: int) -> NativeRegistration:
+        try:
+            descs = self._agent.register_memory([(addr, length, 0, "")], "DRAM")
+        except Exception as e:  # noqa: BLE001
+            raise TransferError(f"NIXL register_memory: {e}") from e
+        if descs is None:
+            raise TransferError("NIXL register_memory failed (see NIXL log)")
+        return NativeRegistration(descs, addr, 0, {"agent": self._agent_name, "md": self._metadata()})
+
+    def _native_deregister(self, reg: NativeRegistration) -> None:
+        try:
+            self._agent.deregister_memory(reg.handle)
+        except Exception as e:  # noqa: BLE001
+            raise TransferError(f"NIXL deregister_memory: {e}") from e
+
+    def _native_post(self, peer: Peer, batch_id: int, writes: Sequence[PageWrite], imm: int) -> None:
+        regs = self._regions
+        local = [(regs[w.src.id][0].addr + w.src_offset, w.length, 0) for w in writes]
+        remote = [(w.dst.descriptor.base + w.dst_offset, w.length, 0) for w in writes]
+        note = _NOTIF + f"{imm} {len(writes)}".encode()
+        try:
+            handle = self._agent.initialize_xfer("WRITE", self._agent.get_xfer_descs(local, "DRAM"),
+                                                 self._agent.get_xfer_descs(remote, "DRAM"), peer.native, note)
+            if handle is None:
+                raise TransferError("initialize_xfer returned no handle")
+            with self._xlock:
+                self._xfers[batch_id] = (handle, peer.id)
+            state = self._agent.transfer(handle)
+        except Exception as e:  # noqa: BLE001
+            with self._xlock:
+                self._xfers.pop(batch_id, None)
+            raise TransferError(f"NIXL transfer to {peer.native}: {e}") from e
+        if state == "ERR":
+            with self._xlock:
+                self._xfers.pop(batch_id, None)
+            self._release(handle)
+            raise TransferError(f"NIXL transfer to {peer.native}: posting failed (state ERR)")
+
+    def _release(self, handle: Any) -> bool:
+        try:
+            self._agent.release_xfer_handle(handle)
+            return True
+        except Exception:  # noqa: BLE001 - still in flight: retried by _reap
+            return False
+
+    def _reap(self) -> None:
+        with self._xlock:
+            zombies, self._zombies = self._zombies, []
+        keep = [h for h in zombies if not self._release(h)]
+        with self._xlock:
+            self._zombies.extend(keep)
+
+    def _poll_loop(self) -> None:
+        idle = 0
+        while not self._stop.is_set():
+            busy = self._poll_once()
+            idle = 0 if busy else idle + 1
+            if idle > 50:
+                time.sleep(0.0002)  # on 2 vCPUs spinning would starve UCX's progress thread
+            elif not busy:
+                time.sleep(0)
+
+    def _poll_once(self) -> bool:
+        busy = False
+        try:
+            notifs = self._agent.get_new_notifs()
+        except Exception:  # noqa: BLE001
+            notifs = {}
+        for msgs in notifs.values():
+            for m in msgs:
+                if m.startswith(_NOTIF):
+                    tag, count = m[len(_NOTIF):].split()
+                    self._tracker.add(int(tag), int(count))
+                    busy = True
+        with self._xlock:
+            items = list(self._xfers.items())
+        for bid, (handle, _) in items:
+            try:
+                state, err = self._agent.check_xfer_state(handle), None
+            except Exception as e:  # noqa: BLE001 - e.g. nixlRemoteDisconnectError
+                state, err = "ERR", f"NIXL: {type(e).__name__}: {e}"
+            if state == "PROC":
+                continue
+            with self._xlock:
+                if self._xfers.pop(bid, None) is None:
+                    continue
+            self._release(handle)
+            self._complete_batch(bid, None if state == "DONE" else (err or "NIXL transfer failed (state ERR)"))
+            busy = True
+        if self._zombies:
+            self._reap()
+        return busy
+
+    def _native_stats(self) -> dict[str, int]:
+        with self._xlock:
+            return {"native_batches": len(self._xfers), "native_zombies": len(self._zombies)}
+
+    def _native_close(self) -> None:
+        self._stop.set()
+        self._poller.join(timeout=2.0)
+        with self._xlock:
+            handles = [h for h, _ in self._xfers.values()] + self._zombies
+            self._xfers, self._zombies = {}, []
+        for h in handles:
+            self._release(h)
