@@ -92,7 +92,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     elif args.check:
         with tempfile.TemporaryDirectory(prefix="sglang-disagg-export-check-") as tmp:
             ws = Path(tmp) / "ws"
-            workspace.create(ws, up, pd.patch_paths())
+            workspace.create(ws, up, pd.patch_paths(), sparse=True)
             exported = workspace.export(ws)
     else:
         raise PatchError("export needs --from WORKSPACE (or --check to verify the committed patches)")

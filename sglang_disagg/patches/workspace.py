@@ -10,19 +10,17 @@ patch paths read ``a/sglang/srt/...`` like paths relative to site-packages. The 
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from sglang_disagg.patches import repos
 from sglang_disagg.patches.errors import PatchError
-from sglang_disagg.patches.gitutil import UPSTREAM_AUTHOR, UPSTREAM_DATE, git, git_text
+from sglang_disagg.patches.gitutil import git, git_text
 from sglang_disagg.patches.model import Series, Upstream
-from sglang_disagg.patches.releases import extract, pinned_wheel
-
-UPSTREAM_TAG = "upstream"
-_CONFIG_KEYS = ("version", "archive", "sha256", "package")
+from sglang_disagg.patches.repos import CONFIG_KEYS, UPSTREAM_TAG
+from sglang_disagg.patches.scratch import series_paths
 FORMAT_PATCH_ARGS = (
     "format-patch", "--zero-commit", "--no-signature", "--no-numbered", "--keep-subject",
     "--no-cover-letter", "--no-thread", "--no-attach", "--stat=80", "--abbrev=12", "-M",
@@ -39,42 +37,6 @@ class Exported:
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(n for n, _ in self.patches)
-
-
-def _upstream_env() -> dict[str, str]:
-    name, email = UPSTREAM_AUTHOR
-    return {
-        "GIT_AUTHOR_NAME": name, "GIT_AUTHOR_EMAIL": email, "GIT_AUTHOR_DATE": UPSTREAM_DATE,
-        "GIT_COMMITTER_NAME": name, "GIT_COMMITTER_EMAIL": email, "GIT_COMMITTER_DATE": UPSTREAM_DATE,
-    }
-
-
-def commit_upstream(ws: Path, up: Upstream, *, parent: str | None = None) -> str:
-    """Commit the pristine tree of ``up`` (on top of ``parent``, if given); tag it ``upstream``."""
-    wheel = pinned_wheel(up)
-    if parent is not None:
-        git(["checkout", "-q", "--detach", parent], ws)
-        git(["rm", "-r", "-q", "--ignore-unmatch", "."], ws)
-        shutil.rmtree(ws / "sglang", ignore_errors=True)
-    extract(wheel, ws)
-    git(["add", "-A", "-f", "."], ws)
-    git(["commit", "-q", "--allow-empty", "--no-verify", "-m", f"Upstream {up.package} {up.version}"],
-        ws, env=_upstream_env())
-    git(["tag", "-f", UPSTREAM_TAG], ws)
-    for key in _CONFIG_KEYS:
-        git(["config", f"sglang-disagg.{key}", getattr(up, key)], ws)
-    return git_text(["rev-parse", "HEAD"], ws)
-
-
-def init_repo(ws: Path) -> None:
-    if ws.exists() and any(ws.iterdir()):
-        raise PatchError(f"{ws}: exists and is not empty; pick a new workspace directory")
-    ws.mkdir(parents=True, exist_ok=True)
-    git(["init", "-q", "."], ws)
-    (ws / ".git" / "info").mkdir(exist_ok=True)
-    (ws / ".git" / "info" / "exclude").write_text("__pycache__/\n*.pyc\n")
-    for key, value in (("user.name", "sglang-disagg patches"), ("user.email", "patches@sglang-disagg.invalid")):
-        git(["config", key, value], ws)
 
 
 def am(ws: Path, patches: list[Path]) -> subprocess.CompletedProcess[bytes] | None:
@@ -100,10 +62,15 @@ def am_failure(ws: Path, proc: subprocess.CompletedProcess[bytes]) -> str:
     return "\n".join(lines)
 
 
-def create(ws: Path, up: Upstream, patches: list[Path]) -> None:
-    """A workspace for ``up`` with ``patches`` applied as commits; raises if one does not apply."""
-    init_repo(ws)
-    commit_upstream(ws, up)
+def create(ws: Path, up: Upstream, patches: list[Path], *, sparse: bool = False) -> None:
+    """A workspace for ``up`` with ``patches`` applied as commits; raises if one does not apply.
+
+    ``sparse``: only the files the patches touch (enough to re-export them; much faster).
+    """
+    if sparse:
+        repos.sparse_base(ws, up, series_paths(patches))
+    else:
+        repos.full_base(ws, up)
     proc = am(ws, patches)
     if proc is not None and proc.returncode != 0:
         raise PatchError(
@@ -115,7 +82,7 @@ def create(ws: Path, up: Upstream, patches: list[Path]) -> None:
 def workspace_upstream(ws: Path) -> Upstream:
     if not (ws / ".git").is_dir():
         raise PatchError(f"{ws}: not a workspace (no .git)")
-    values = {k: git_text(["config", "--get", f"sglang-disagg.{k}"], ws, check=False) for k in _CONFIG_KEYS}
+    values = {k: git_text(["config", "--get", f"sglang-disagg.{k}"], ws, check=False) for k in CONFIG_KEYS}
     if not all(values.values()):
         raise PatchError(f"{ws}: not a workspace made by `python -m sglang_disagg.patches workspace`")
     return Upstream(**values)

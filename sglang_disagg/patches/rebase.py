@@ -1,0 +1,142 @@
+"""``rebase``: move the series to another SGLang release with a 3-way merge.
+
+The throw-away workspace history is::
+
+    Upstream sglang A  (tag sglang-A) --- patches on A      (branch main)
+           \\
+            Upstream sglang B  (tags upstream, sglang-B) --- patches replayed with `git am -3` (branch rebased)
+
+``git am -3`` finds each patch's preimage blobs (from A) in the repository, so changes
+between A and B merge like a rebase. It stops at the first conflict with instructions; after
+resolution ``rebase --continue --workspace WS`` exports and moves the pin.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+from sglang_disagg.patches import repos, workspace
+from sglang_disagg.patches.errors import PatchError
+from sglang_disagg.patches.gitutil import git, git_text
+from sglang_disagg.patches.model import PatchDir, Upstream
+from sglang_disagg.patches.releases import fetch_release
+
+CHANGELOG = "CHANGELOG.md"
+UNRELEASED = "## [Unreleased]"
+_FROM_KEY = "sglang-disagg.rebase-from"
+
+
+def changelog_line(old: str, new: str) -> str:
+    return f"- Patch series rebased from SGLang {old} to {new}."
+
+
+def _next_heading(lines: list[str], start: int, prefix: str) -> int:
+    return next((i for i in range(start, len(lines)) if lines[i].startswith(prefix)), len(lines))
+
+
+def add_changelog_line(path: Path, line: str) -> None:
+    """Add ``line`` under ``## [Unreleased]`` (in its ``### Changed`` part if it has one).
+
+    The section is created before the first ``## `` heading if missing; a missing file is
+    created with a ``# Changelog`` title.
+    """
+    lines = (path.read_text() if path.is_file() else "# Changelog\n").splitlines()
+    head = next((i for i, l in enumerate(lines) if l.strip().lower() == UNRELEASED.lower()), None)
+    if head is None:
+        first = _next_heading(lines, 0, "## ")
+        before = lines[:first]
+        while before and not before[-1].strip():
+            before.pop()
+        lines = [*before, "", UNRELEASED, "", *lines[first:]]
+        head = len(before) + 1
+    start, end = head + 1, _next_heading(lines, head + 1, "## ")
+    changed = next((i for i in range(start, end) if lines[i].strip().lower() == "### changed"), None)
+    if changed is not None:
+        start, end = changed + 1, _next_heading(lines, changed + 1, "#")
+    filled = [i for i in range(start, end) if lines[i].strip()]
+    at = filled[-1] + 1 if filled else start
+    new = [line] if filled else ["", line]
+    if at >= len(lines) or lines[at].strip():
+        new.append("")
+    lines[at:at] = new
+    path.write_text("\n".join(lines).rstrip("\n") + "\n")
+
+
+def _instructions(ws: Path, pd: PatchDir, old: str, new: str) -> str:
+    return (
+        f"\nrebase {old} -> {new} stopped; workspace kept at {ws}\n"
+        "to continue:\n"
+        f"  cd {ws}\n"
+        "  git status                       # files with conflict markers\n"
+        "  $EDITOR <files> && git add <files>\n"
+        "  git am --continue                # repeat for later patches; `git am --skip` drops a patch\n"
+        f"  cd - && python -m sglang_disagg.patches --patches-dir {pd.root} rebase --continue --workspace {ws}\n"
+        "to abandon: delete the workspace; nothing in the checkout was changed"
+    )
+
+
+def start(to: str, pd: PatchDir, repo_root: Path, ws: Path | None, no_changelog: bool) -> list[str]:
+    old = pd.upstream()
+    if to == old.version:
+        raise PatchError(f"the series is already pinned to sglang {to}")
+    patches = pd.patch_paths()
+    target = fetch_release(to)
+    auto_ws = ws is None
+    ws = ws or Path(tempfile.mkdtemp(prefix=f"sglang-disagg-rebase-{old.version}-to-{to}-"))
+    if auto_ws:
+        ws.rmdir()
+    try:
+        _replay(ws, old, target, patches, pd)
+    except _Stopped as stop:
+        raise PatchError(str(stop)) from None
+    except BaseException:
+        if auto_ws:
+            shutil.rmtree(ws, ignore_errors=True)
+        raise
+    lines = finish(ws, pd, repo_root, no_changelog)
+    if auto_ws:
+        shutil.rmtree(ws, ignore_errors=True)
+    else:
+        lines.append(f"workspace {ws} (sglang {to} + series) kept")
+    return lines
+
+
+class _Stopped(Exception):
+    """git am stopped at a conflict: the workspace is kept for the user."""
+
+
+def _replay(ws: Path, old: Upstream, target: Upstream, patches: list[Path], pd: PatchDir) -> None:
+    repos.full_base(ws, old)
+    base = git_text(["rev-parse", "HEAD"], ws)
+    git(["tag", "-f", f"sglang-{old.version}"], ws)
+    proc = workspace.am(ws, patches)
+    if proc is not None and proc.returncode != 0:
+        raise PatchError(f"{workspace.am_failure(ws, proc)}\nthe committed series does not apply to its own pin "
+                         f"{old.version}; run `python -m sglang_disagg.patches check`")
+    repos.add_release(ws, target, base, "rebased")
+    git(["tag", "-f", f"sglang-{target.version}"], ws)
+    git(["config", _FROM_KEY, old.version], ws)
+    proc = workspace.am(ws, patches)
+    if proc is not None and proc.returncode != 0:
+        raise _Stopped(workspace.am_failure(ws, proc) + _instructions(ws, pd, old.version, target.version))
+
+
+def finish(ws: Path, pd: PatchDir, repo_root: Path, no_changelog: bool) -> list[str]:
+    """Export the rebased workspace, move the pin and add the CHANGELOG line."""
+    new = workspace.workspace_upstream(ws)
+    old = pd.upstream()
+    from_version = git_text(["config", "--get", _FROM_KEY], ws, check=False) or old.version
+    if from_version != old.version:
+        raise PatchError(f"workspace {ws} rebased from sglang {from_version}, but patches/UPSTREAM pins "
+                         f"{old.version}; the pin moved meanwhile: start the rebase again")
+    exported = workspace.export(ws)
+    changes = workspace.write_export(exported, pd.root, pd.series())
+    new.save(pd.upstream_path)
+    lines = [f"rebased {len(exported.names)} patch(es) from sglang {old.version} to {new.version}"]
+    lines += [f"  {c}" for c in changes] + [f"  updated  UPSTREAM ({new.archive})"]
+    if not no_changelog and old.version != new.version:
+        add_changelog_line(repo_root / CHANGELOG, changelog_line(old.version, new.version))
+        lines.append(f"  updated  {CHANGELOG}")
+    return lines
