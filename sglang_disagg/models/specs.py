@@ -1,0 +1,79 @@
+"""Shapes of the built-in models (pure data, no torch)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from enum import Enum
+
+
+class Architecture(str, Enum):
+    LLAMA = "LlamaForCausalLM"
+    QWEN3 = "Qwen3ForCausalLM"
+
+
+# Bumped whenever the generator's output changes, so stale caches are not reused.
+GENERATOR_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    architecture: Architecture
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int = 4096
+    head_dim: int | None = None
+    max_position_embeddings: int = 4096
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{self.name}: num_heads {self.num_heads} not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.head_dim is None and self.hidden_size % self.num_heads:
+            raise ValueError(f"{self.name}: hidden_size {self.hidden_size} not divisible by num_heads {self.num_heads}")
+        if self.vocab_size < 512:
+            raise ValueError(f"{self.name}: vocab_size must be >= 512 (byte alphabet + merges)")
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
+
+    @property
+    def digest(self) -> str:
+        payload = asdict(self) | {"generator": GENERATOR_VERSION}
+        return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+    @property
+    def dirname(self) -> str:
+        return f"{self.name}-{self.digest}"
+
+
+BUILTIN_MODELS: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in (
+        # Fast tests and the default stack: ~4.5M parameters.
+        ModelSpec("tiny-llama", Architecture.LLAMA, hidden_size=256, num_layers=4, num_heads=4,
+                  num_kv_heads=2, intermediate_size=704),
+        # Another GQA architecture (q/k norms, explicit head_dim) for tests.
+        ModelSpec("tiny-qwen3", Architecture.QWEN3, hidden_size=256, num_layers=4, num_heads=4,
+                  num_kv_heads=2, intermediate_size=704, head_dim=64, seed=1),
+        # Large enough that prefill visibly stalls decode on a CPU core (benchmarks).
+        ModelSpec("small-llama", Architecture.LLAMA, hidden_size=1024, num_layers=8, num_heads=16,
+                  num_kv_heads=4, intermediate_size=2816, seed=2),
+    )
+}
+
+DEFAULT_MODEL = "tiny-llama"
+
+
+def get_spec(name: str) -> ModelSpec:
+    try:
+        return BUILTIN_MODELS[name]
+    except KeyError:
+        known = ", ".join(sorted(BUILTIN_MODELS))
+        raise ValueError(f"unknown built-in model {name!r}; known: {known} (or pass a directory)") from None
