@@ -17,7 +17,7 @@ from typing import Any
 from ..base import TransferBackend
 from ..errors import BackendUnavailable, TransferError
 from ..peer import Peer
-from ..regions import NativeRegistration, PageWrite
+from ..regions import NativeRegistration, PageWrite, PeerState
 
 PROVIDERS = {"shm": "shm", "tcp": "tcp;ofi_rxm", "net": "net", "efa": "efa", "verbs": "verbs;ofi_rxm",
              "sockets": "sockets"}
@@ -101,6 +101,8 @@ class LibfabricBackend(TransferBackend):
         self.max_write_bytes = min(self.max_write_bytes, self.fi_info["max_msg_size"])
         self._stop = threading.Event()
         self._async_error = ""
+        self._stale_addrs = 0
+        self._poisoned = ""
         self._poller = threading.Thread(target=self._poll_loop, name="libfabric-progress", daemon=True)
         self._poller.start()
 
@@ -122,10 +124,24 @@ class LibfabricBackend(TransferBackend):
         if peer.native is None:
             return
         # In-flight writes to a dead peer may never complete (shm): the shim frees them
-        # when they do, or at close.
-        lib.shim_abandon_peer(self._ep, peer.native)
-        err = _Errbuf()
-        _check(lib.shim_av_remove(self._ep, peer.native, err.buf, 256), err, "fi_av_remove")
+        # when they do, or at close. While any are queued the address must stay in the AV:
+        # shm unmaps the peer's region on fi_av_remove and its progress then faults on it.
+        pending = lib.shim_abandon_peer(self._ep, peer.native)
+        if pending:
+            self._stale_addrs += 1
+            if self.provider == "shm":
+                self._poisoned = (
+                    f"shm endpoint unusable: peer {peer.address} was lost with {pending} batch(es) in flight; "
+                    "libfabric shm consumes write responses in order, so the dead peer's never-answered "
+                    "response blocks every later non-inject write (head-of-line). Close this backend and "
+                    "create a new one")
+        elif self.provider == "shm" and peer.state is PeerState.LOST:
+            # A dead shm sender may still have commands in our queue that point into its
+            # region: keep it mapped (one AV slot per lost peer, freed at close).
+            self._stale_addrs += 1
+        else:
+            err = _Errbuf()
+            _check(lib.shim_av_remove(self._ep, peer.native, err.buf, 256), err, "fi_av_remove")
         peer.native = None
 
     def _native_register(self, addr: int, length: int) -> NativeRegistration:
@@ -147,6 +163,8 @@ class LibfabricBackend(TransferBackend):
         return mr, src, raddr, rkey, ln
 
     def _native_post(self, peer: Peer, batch_id: int, writes: Sequence[PageWrite], imm: int) -> None:
+        if self._poisoned:
+            raise TransferError(self._poisoned)
         arrays, err = self._arrays(writes), _Errbuf()
         _check(lib.shim_post(self._ep, batch_id, peer.native, len(writes), *arrays, imm, err.buf, 256), err, "post")
 
@@ -175,7 +193,8 @@ class LibfabricBackend(TransferBackend):
                     self._async_error = ffi.string(ev.msg).decode(errors="replace")
 
     def _native_stats(self) -> dict[str, int]:
-        return {"native_batches": int(lib.shim_live_batches(self._ep))}
+        return {"native_batches": int(lib.shim_live_batches(self._ep)), "stale_addresses": self._stale_addrs,
+                "poisoned": int(bool(self._poisoned))}
 
     def _native_close(self) -> None:
         self._stop.set()

@@ -95,6 +95,10 @@ static void post_recv(shim_ep *e, struct shim_op *op) {
     fi_recv(e->ep, NULL, 0, NULL, FI_ADDR_UNSPEC, &op->ctx);
 }
 
+static int is_recv_op(shim_ep *e, const struct shim_op *op) {
+    return op >= e->recv_ops && op < e->recv_ops + N_RECV;
+}
+
 /* Caller holds the lock. Returns entries consumed. */
 static int drain(shim_ep *e) {
     struct fi_cq_data_entry ent[CQ_BATCH];
@@ -105,7 +109,11 @@ static int drain(shim_ep *e) {
         if (n == -FI_EAVAIL) {
             struct fi_cq_err_entry ee; memset(&ee, 0, sizeof ee);
             if (fi_cq_readerr(e->cq, &ee, 0) <= 0) return total;
+            /* Target-side events (remote write, CQ data) carry no context of ours unless it
+             * consumed one of our posted receives: never dereference theirs. */
             struct shim_op *op = ee.op_context;
+            if (!is_recv_op(e, op) && (ee.flags & (FI_REMOTE_WRITE | FI_REMOTE_CQ_DATA | FI_RECV)))
+                op = NULL;
             char prov[128]; prov[0] = 0;
             fi_cq_strerror(e->cq, ee.prov_errno, ee.err_data, prov, sizeof prov);
             if (op && op->kind == OP_WRITE) {
@@ -136,7 +144,15 @@ static int drain(shim_ep *e) {
         }
         for (ssize_t i = 0; i < n; i++) {
             struct shim_op *op = ent[i].op_context;
-            if (ent[i].flags & FI_REMOTE_CQ_DATA) count_imm(e, (uint32_t)ent[i].data);
+            if (ent[i].flags & FI_REMOTE_CQ_DATA) {
+                count_imm(e, (uint32_t)ent[i].data);
+                if (is_recv_op(e, op)) post_recv(e, op);
+                continue;
+            }
+            if (ent[i].flags & (FI_REMOTE_WRITE | FI_RECV)) {
+                if (is_recv_op(e, op)) post_recv(e, op);
+                continue;
+            }
             if (op && op->kind == OP_WRITE) {
                 struct shim_batch *b = op->b;
                 if (--b->remaining == 0) batch_finished(e, b);
