@@ -10,8 +10,9 @@ from pathlib import Path
 
 from sglang_disagg.patches import installed, workspace
 from sglang_disagg.patches.errors import PatchError
-from sglang_disagg.patches.model import PatchDir
+from sglang_disagg.patches.model import PatchDir, Series
 from sglang_disagg.patches.releases import find_installed
+from sglang_disagg.patches.repos import UPSTREAM_TAG
 
 
 def _find_repo_root() -> Path:
@@ -56,7 +57,7 @@ def cmd_workspace(args: argparse.Namespace) -> int:
         up = fetch_release(args.version)
     workspace.create(ws, up, pd.patch_paths())
     n = len(pd.series().names)
-    print(f"workspace {ws}: sglang {up.version} + {n} patch commit(s) on top of tag '{workspace.UPSTREAM_TAG}'")
+    print(f"workspace {ws}: sglang {up.version} + {n} patch commit(s) on top of tag '{UPSTREAM_TAG}'")
     print(f"edit with git there, then: python -m sglang_disagg.patches export --from {ws}")
     return 0
 
@@ -66,7 +67,7 @@ def _diff_export(pd: PatchDir, exported: workspace.Exported) -> list[str]:
     out: list[str] = []
     want = dict(exported.patches)
     have = {p.name: p.read_bytes() for p in pd.root.glob("*.patch")}
-    want_series = workspace.Series(exported.names, pd.series().header).dump()
+    want_series = Series(exported.names, pd.series().header).dump()
     pairs = [("series", pd.series_path.read_text() if pd.series_path.is_file() else "", want_series)]
     pairs += [(n, have.get(n, b"").decode(errors="replace"), want.get(n, b"").decode(errors="replace"))
               for n in sorted(set(want) | set(have)) if have.get(n) != want.get(n)]
@@ -106,7 +107,8 @@ def cmd_export(args: argparse.Namespace) -> int:
             )
         print(f"export --check: {len(exported.names)} patch(es) up to date")
         return 0
-    changes = workspace.write_export(exported, pd.root, pd.series())
+    series = pd.series() if pd.series_path.is_file() else Series(())
+    changes = workspace.write_export(exported, pd.root, series)
     print("\n".join(changes) if changes else "no changes")
     print(f"series: {len(exported.names)} patch(es) in {pd.root}")
     return 0
@@ -134,6 +136,10 @@ def cmd_rebase(args: argparse.Namespace) -> int:
     else:
         if not args.to:
             raise PatchError("rebase needs --to VERSION (or --continue --workspace DIR)")
+        if args.dry_run:
+            ok, lines = rebase.dry_run(args.to, pd)
+            print("\n".join(lines))
+            return 0 if ok else 1
         ws = Path(args.workspace).resolve() if args.workspace else None
         lines = rebase.start(args.to, pd, root, ws, args.no_changelog)
     print("\n".join(lines))
@@ -178,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--workspace", help="workspace directory (default: a new temp dir; kept on conflict)")
     s.add_argument("--continue", dest="cont", action="store_true", help="finish after resolving a conflict")
     s.add_argument("--no-changelog", action="store_true", help="do not add a CHANGELOG.md line")
+    s.add_argument("--dry-run", action="store_true",
+                   help="only report which patches apply to --to (clean / 3-way / conflict); change nothing")
     s.set_defaults(func=cmd_rebase)
     return p
 
@@ -189,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     except PatchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except OSError as exc:  # permissions, disk full, ...: still an expected failure, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

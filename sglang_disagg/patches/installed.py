@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 
 from sglang_disagg.patches.errors import PatchError
@@ -23,7 +23,7 @@ from sglang_disagg.patches.scratch import scratch, series_paths
 MARKER = ".sglang_disagg_patches.json"
 
 
-class State(str, Enum):
+class State(StrEnum):
     APPLIED = "applied"
     NOT_APPLIED = "not applied"
     CONFLICTING = "conflicting"

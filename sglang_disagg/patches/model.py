@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,8 +100,7 @@ class Series:
         return self.header + "".join(f"{n}\n" for n in self.names)
 
     def duplicates(self) -> list[str]:
-        seen: set[str] = set()
-        return sorted({n for n in self.names if n in seen or seen.add(n)})  # type: ignore[func-returns-value]
+        return sorted(n for n, count in Counter(self.names).items() if count > 1)
 
 
 @dataclass(frozen=True)

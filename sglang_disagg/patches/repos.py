@@ -70,10 +70,9 @@ def init_repo(ws: Path) -> None:
 
 
 def _configure(ws: Path) -> None:
+    """Ignore bytecode; commits made by people in the workspace use their own git identity."""
     (ws / ".git" / "info").mkdir(exist_ok=True)
     (ws / ".git" / "info" / "exclude").write_text("__pycache__/\n*.pyc\n")
-    for key, value in (("user.name", "sglang-disagg patches"), ("user.email", "patches@sglang-disagg.invalid")):
-        git(["config", key, value], ws)
 
 
 def mark(ws: Path, up: Upstream) -> None:

@@ -21,6 +21,7 @@ from sglang_disagg.patches.gitutil import git, git_text
 from sglang_disagg.patches.model import Series, Upstream
 from sglang_disagg.patches.repos import CONFIG_KEYS, UPSTREAM_TAG
 from sglang_disagg.patches.scratch import series_paths
+
 FORMAT_PATCH_ARGS = (
     "format-patch", "--zero-commit", "--no-signature", "--no-numbered", "--keep-subject",
     "--no-cover-letter", "--no-thread", "--no-attach", "--stat=80", "--abbrev=12", "-M",
@@ -39,12 +40,12 @@ class Exported:
         return tuple(n for n, _ in self.patches)
 
 
-def am(ws: Path, patches: list[Path]) -> subprocess.CompletedProcess[bytes] | None:
+def am(ws: Path, patches: list[Path], *, quiet: bool = True) -> subprocess.CompletedProcess[bytes] | None:
     """``git am -3`` the patch files (authors, dates, subjects and bodies kept verbatim)."""
     if not patches:
         return None
-    return git(["am", "-3", "--keep", "--keep-cr", "--committer-date-is-author-date", "--quiet",
-                *[str(p.resolve()) for p in patches]], ws, check=False)
+    args = ["am", "-3", "--keep", "--keep-cr", "--committer-date-is-author-date"] + (["--quiet"] if quiet else [])
+    return git([*args, *[str(p.resolve()) for p in patches]], ws, check=False)
 
 
 def am_failure(ws: Path, proc: subprocess.CompletedProcess[bytes]) -> str:

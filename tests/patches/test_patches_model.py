@@ -36,7 +36,7 @@ def test_series_parse_keeps_header_and_skips_comments() -> None:
     assert s.header == "# head 1\n# head 2\n"
     assert s.duplicates() == ["a.patch"]
     assert s.dump() == "# head 1\n# head 2\na.patch\nb.patch\na.patch\n"
-    with pytest.raises(PatchError, match="expected a \\*.patch file name"):
+    with pytest.raises(PatchError, match=r"expected a \*\.patch file name"):
         Series.parse("dir/a.patch\n")
 
 

@@ -97,3 +97,17 @@ def test_changelog_section_created_and_appended(tmp_path: Path) -> None:
     path.write_text("# Changelog\n\n## [Unreleased]\n\n### Changed\n\n- a\n\n### Fixed\n\n- b\n\n## [0.1]\n")
     add_changelog_line(path, "- three.")
     assert "### Changed\n\n- a\n- three.\n\n### Fixed" in path.read_text()
+
+
+def test_rebase_dry_run_reports_and_changes_nothing(
+    make_repo: Callable[..., Path], patch_sets: dict[str, Path], cli: Callable[..., Cli]
+) -> None:
+    root = make_repo(OLD, patch_sets["old-conflict"])
+    before = {p.name: p.read_bytes() for p in (root / "patches").iterdir()}
+    res = cli("--repo-root", str(root), "rebase", "--to", NEW, "--dry-run")
+    assert res.rc == 1, res.err
+    assert "clean        test-mark-version.py.patch" in res.out
+    assert f"CONFLICT     disagg-tag-the-poll-reduction.patch: {DISAGG_UTILS}" in res.out
+    assert "1 clean, 0 with a 3-way merge, 1 conflicting" in res.out
+    assert {p.name: p.read_bytes() for p in (root / "patches").iterdir()} == before
+    assert "Unreleased" not in (root / "CHANGELOG.md").read_text()
