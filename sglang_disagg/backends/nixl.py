@@ -38,6 +38,22 @@ def _import_nixl() -> Any:
     return nixl_agent, nixl_agent_config
 
 
+class _Serialized:
+    """Forwards every call to the NIXL agent under one lock: concurrent calls from the
+    poller and the posting thread crash the agent (observed SIGSEGV)."""
+
+    def __init__(self, target: Any) -> None:
+        self._target, self._lock = target, threading.RLock()
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self._target, name)
+
+        def call(*args: Any, **kw: Any) -> Any:
+            with self._lock:
+                return fn(*args, **kw)
+        return call
+
+
 class NixlBackend(TransferBackend):
     name = "nixl"
 
@@ -58,7 +74,7 @@ class NixlBackend(TransferBackend):
             os.environ.setdefault("UCX_NET_DEVICES", "lo")
         self._agent_name = f"sgd-{self.instance}"
         try:
-            self._agent = nixl_agent(self._agent_name, nixl_agent_config(enable_prog_thread=True, backends=[]))
+            self._agent = _Serialized(nixl_agent(self._agent_name, nixl_agent_config(enable_prog_thread=True, backends=[])))
             mode = str(self.config.options.get("ucx_error_handling_mode", "none"))
             self._agent.create_backend("UCX", {"ucx_error_handling_mode": mode})
         except Exception as e:  # noqa: BLE001 - NIXL raises its own exception types
@@ -127,21 +143,19 @@ class NixlBackend(TransferBackend):
         local = [(regs[w.src.id][0].addr + w.src_offset, w.length, 0) for w in writes]
         remote = [(w.dst.descriptor.base + w.dst_offset, w.length, 0) for w in writes]
         note = _NOTIF + f"{imm} {len(writes)}".encode()
-        try:
-            handle = self._agent.initialize_xfer("WRITE", self._agent.get_xfer_descs(local, "DRAM"),
-                                                 self._agent.get_xfer_descs(remote, "DRAM"), peer.native, note)
-            if handle is None:
-                raise TransferError("initialize_xfer returned no handle")
-            with self._xlock:
+        # The poller only sees the handle once posted: checking an unposted handle is an error.
+        with self._xlock:
+            try:
+                handle = self._agent.initialize_xfer("WRITE", self._agent.get_xfer_descs(local, "DRAM"),
+                                                     self._agent.get_xfer_descs(remote, "DRAM"), peer.native, note)
+                if handle is None:
+                    raise TransferError("initialize_xfer returned no handle")
+                state = self._agent.transfer(handle)
+            except Exception as e:  # noqa: BLE001
+                raise TransferError(f"NIXL transfer to {peer.native}: {e}") from e
+            if state != "ERR":
                 self._xfers[batch_id] = (handle, peer.id)
-            state = self._agent.transfer(handle)
-        except Exception as e:  # noqa: BLE001
-            with self._xlock:
-                self._xfers.pop(batch_id, None)
-            raise TransferError(f"NIXL transfer to {peer.native}: {e}") from e
         if state == "ERR":
-            with self._xlock:
-                self._xfers.pop(batch_id, None)
             self._release(handle)
             raise TransferError(f"NIXL transfer to {peer.native}: posting failed (state ERR)")
 
