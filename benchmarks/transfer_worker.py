@@ -1,0 +1,101 @@
+"""One benchmark endpoint in its own process, driven by JSON lines (see transfer.py).
+
+Timed loops run here, next to the backend, so the driver's IPC never enters a figure.
+Leaves by os._exit: NIXL crashes at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import mmap
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from transfer_workloads import Workload, batches  # noqa: E402
+
+from sglang_disagg.backends import BackendConfig, create_backend  # noqa: E402
+
+
+class Bench:
+    def __init__(self) -> None:
+        self.be = None
+        self.peer = None
+        self.mem: dict[int, tuple[mmap.mmap, object]] = {}
+
+    def init(self, backend: str, provider: str | None) -> dict:
+        self.be = create_backend(backend, BackendConfig(provider=provider))
+        return {"address": self.be.address}
+
+    def connect(self, address: str) -> dict:
+        self.peer = self.be.connect(address)
+        return {}
+
+    def accept(self) -> dict:
+        self.peer = self.be.wait_peer(10.0)
+        return {}
+
+    def alloc(self, size: int) -> dict:
+        m = mmap.mmap(-1, size)
+        m.write(b"\x5a" * size)  # fault every page in before timing
+        region, desc = self.be.register(ctypes.addressof(ctypes.c_char.from_buffer(m)), size)
+        self.mem[region.id] = (m, region)
+        return {"region": region.id, "desc": desc.decode()}
+
+    def free(self, region: int) -> dict:
+        _, r = self.mem.pop(region)
+        self.be.deregister(r)
+        return {}
+
+    def run(self, spec: dict, region: int, desc: str, mode: str, budget_s: float, min_iters: int,
+            max_iters: int) -> dict:
+        w = Workload(**spec)
+        remote = self.peer.add_remote_region(desc.encode())
+        src = self.mem[region][1]
+        plan = [[(src, s, remote, d, n) for s, d, n in b] for b in batches(w)]
+        per_req_bytes = sum(n for b in plan for *_, n in b)
+        per_req_writes = sum(len(b) for b in plan)
+        lat: list[float] = []
+
+        def python_request(tag: int) -> None:
+            futs = [self.be.write(self.peer, b, tag) for b in plan]
+            for f in futs:
+                f.wait(120)
+
+        if mode == "raw":
+            assert len(plan) == 1, "the raw C loop runs single-batch workloads"
+            self.be.raw_c_loop(self.peer, plan[0], 1, 1)  # warm-up
+        else:
+            python_request(0)
+        t0 = time.perf_counter()
+        while len(lat) < max_iters and (len(lat) < min_iters or time.perf_counter() - t0 < budget_s):
+            if mode == "raw":
+                _, ns = self.be.raw_c_loop(self.peer, plan[0], len(lat) + 1, 1)
+                lat.append(ns[0] / 1e9)
+            else:
+                t1 = time.perf_counter()
+                python_request(len(lat) + 1)
+                lat.append(time.perf_counter() - t1)
+        return {"lat": lat, "bytes": per_req_bytes, "writes": per_req_writes, "batches": len(plan)}
+
+
+def main() -> None:
+    b = Bench()
+    for line in sys.stdin:
+        req = json.loads(line)
+        op = req.pop("op")
+        if op == "exit":
+            break
+        try:
+            reply = {"ok": True, **getattr(b, op)(**req)}
+        except Exception as e:  # noqa: BLE001 - reported to the driver
+            reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        sys.stdout.write(json.dumps(reply) + "\n")
+        sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
