@@ -2,7 +2,7 @@
 
 The throw-away workspace history is::
 
-    Upstream sglang A  (tag sglang-A) --- patches on A      (branch main)
+    Upstream sglang A  (tag sglang-A, branch main)
            \\
             Upstream sglang B  (tags upstream, sglang-B) --- patches replayed with `git am -3` (branch rebased)
 
@@ -17,7 +17,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from sglang_disagg.patches import repos, workspace
+from sglang_disagg.patches import check, repos, workspace
 from sglang_disagg.patches.errors import PatchError
 from sglang_disagg.patches.gitutil import git, git_text
 from sglang_disagg.patches.model import PatchDir, Upstream
@@ -110,22 +110,25 @@ class _Stopped(Exception):
     """git am stopped at a conflict: the workspace is kept for the user."""
 
 
-def _prepare(ws: Path, old: Upstream, target: Upstream, patches: list[Path]) -> None:
-    """History ``Upstream old`` -> series (branch main), and ``Upstream target`` checked out."""
-    repos.full_base(ws, old)
-    base = git_text(["rev-parse", "HEAD"], ws)
+def _prepare(ws: Path, pd: PatchDir, old: Upstream, target: Upstream) -> None:
+    """History ``Upstream old`` (main) -> ``Upstream target`` (branch rebased, checked out).
+
+    The series is not replayed onto ``old`` (``git am -3`` only needs the old blobs, which the
+    clone has); whether it applies there is checked on a scratch copy first, which is quicker.
+    """
+    ok, lines = check.run(pd, check_installed=False)
+    if not ok:
+        raise PatchError("the committed series is not consistent with its own pin; fix that first:\n"
+                         + "\n".join(lines))
+    repos.full_base(ws, old, checkout=False)
     git(["tag", "-f", f"sglang-{old.version}"], ws)
-    proc = workspace.am(ws, patches)
-    if proc is not None and proc.returncode != 0:
-        raise PatchError(f"{workspace.am_failure(ws, proc)}\nthe committed series does not apply to its own pin "
-                         f"{old.version}; run `python -m sglang_disagg.patches check`")
-    repos.add_release(ws, target, base, "rebased")
+    repos.add_release(ws, target, git_text(["rev-parse", repos.UPSTREAM_TAG], ws), "rebased")
     git(["tag", "-f", f"sglang-{target.version}"], ws)
     git(["config", _FROM_KEY, old.version], ws)
 
 
 def _replay(ws: Path, old: Upstream, target: Upstream, patches: list[Path], pd: PatchDir, root: Path) -> None:
-    _prepare(ws, old, target, patches)
+    _prepare(ws, pd, old, target)
     proc = workspace.am(ws, patches)
     if proc is not None and proc.returncode != 0:
         raise _Stopped(workspace.am_failure(ws, proc) + _instructions(ws, pd, root, old.version, target.version))
@@ -139,7 +142,7 @@ def dry_run(to: str, pd: PatchDir) -> tuple[bool, list[str]]:
     clean = merged = 0
     with tempfile.TemporaryDirectory(prefix="sglang-disagg-dry-run-") as tmp:
         ws = Path(tmp) / "ws"
-        _prepare(ws, old, target, patches)
+        _prepare(ws, pd, old, target)
         for patch in patches:
             proc = workspace.am(ws, [patch], quiet=False)
             assert proc is not None

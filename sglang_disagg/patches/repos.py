@@ -82,15 +82,16 @@ def mark(ws: Path, up: Upstream) -> None:
         git(["config", f"sglang-disagg.{key}", getattr(up, key)], ws)
 
 
-def full_base(ws: Path, up: Upstream) -> None:
-    """``ws`` becomes a clone of the cached pristine commit, checked out on ``main``."""
+def full_base(ws: Path, up: Upstream, *, checkout: bool = True) -> None:
+    """``ws`` becomes a clone of the cached pristine commit, on ``main`` (checked out if asked)."""
     repo = upstream_repo(up)
     if ws.exists() and any(ws.iterdir()):
         raise PatchError(f"{ws}: exists and is not empty; pick a new workspace directory")
     ws.parent.mkdir(parents=True, exist_ok=True)
     git(["clone", "-q", "--local", "--no-checkout", str(repo), str(ws)], ws.parent)
     git(["remote", "remove", "origin"], ws)
-    git(["checkout", "-q", "-B", "main", UPSTREAM_TAG], ws)
+    if checkout:
+        git(["checkout", "-q", "-B", "main", UPSTREAM_TAG], ws)
     _configure(ws)
     mark(ws, up)
 
@@ -116,7 +117,9 @@ def add_release(ws: Path, up: Upstream, parent: str, branch: str) -> str:
         f.write(f"{(repo / 'objects').resolve()}\n")
     tree = git_text(["--git-dir", str(repo), "rev-parse", f"{UPSTREAM_TAG}^{{tree}}"], ws)
     commit = git_text(["commit-tree", tree, "-p", parent, "-m", _subject(up)], ws, env=upstream_env())
-    git(["checkout", "-q", "-B", branch, commit], ws)
+    git(["branch", "-f", branch, commit], ws)
+    git(["symbolic-ref", "HEAD", f"refs/heads/{branch}"], ws)
+    git(["reset", "-q", "--hard"], ws)  # also fills a --no-checkout clone
     mark(ws, up)
     return commit
 

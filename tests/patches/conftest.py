@@ -112,6 +112,8 @@ def _export(root: Path, ws: Path, dest: Path) -> Path:
 DISAGG_UTILS = "sglang/srt/disaggregation/utils.py"
 # unchanged between 0.5.22 and 0.5.23, but one line further down in 0.5.23
 STABLE_LINE = "from sglang.srt.utils import is_npu\n"
+# unchanged, but its diff context spans a line 0.5.23 inserted ("import hashlib")
+NEAR_CHANGE_LINE = "from contextlib import nullcontext\n"
 # changed between 0.5.22 and 0.5.23
 CHANGED_LINE = '    tensor_to_reduce = torch.tensor(polls, dtype=torch.uint8, device="cpu")\n'
 
@@ -123,6 +125,7 @@ def patch_sets(releases: dict[str, Upstream], tmp_path_factory: pytest.TempPathF
     * ``new-version``: on NEW, appends a comment to sglang/version.py
     * ``old-clean``: on OLD, that patch + a comment on a line that only moved in NEW
     * ``old-conflict``: on OLD, that patch + an edit of a line that NEW changed
+    * ``old-3way``: on OLD, that patch + an edit whose context NEW changed (3-way merge needed)
     """
     base = tmp_path_factory.mktemp("patch-sets")
     sets: dict[str, Path] = {}
@@ -142,6 +145,10 @@ def patch_sets(releases: dict[str, Upstream], tmp_path_factory: pytest.TempPathF
         edit(ws / DISAGG_UTILS, CHANGED_LINE, CHANGED_LINE.replace("device=\"cpu\")", "device=\"cpu\")  # disagg"))
         git_commit_all(ws, "disagg: tag the poll reduction", "Conflicts with 0.5.23.")
         sets["old-conflict"] = _export(root, ws, base / "old-conflict")
+        subprocess.run(["git", "reset", "-q", "--hard", "HEAD~1"], cwd=ws, check=True)
+        edit(ws / DISAGG_UTILS, NEAR_CHANGE_LINE, NEAR_CHANGE_LINE.rstrip("\n") + "  # sglang-disagg: 3-way\n")
+        git_commit_all(ws, "disagg: comment near an upstream change", "Needs a 3-way merge onto 0.5.23.")
+        sets["old-3way"] = _export(root, ws, base / "old-3way")
     return sets
 
 

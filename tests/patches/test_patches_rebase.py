@@ -111,3 +111,16 @@ def test_rebase_dry_run_reports_and_changes_nothing(
     assert "1 clean, 0 with a 3-way merge, 1 conflicting" in res.out
     assert {p.name: p.read_bytes() for p in (root / "patches").iterdir()} == before
     assert "Unreleased" not in (root / "CHANGELOG.md").read_text()
+
+
+def test_rebase_merges_three_way(
+    make_repo: Callable[..., Path], patch_sets: dict[str, Path], cli: Callable[..., Cli]
+) -> None:
+    root = make_repo(OLD, patch_sets["old-3way"])
+    res = cli("--repo-root", str(root), "rebase", "--to", NEW, "--dry-run")
+    assert res.rc == 0 and "3-way merge  disagg-comment-near-an-upstream-change.patch" in res.out
+    res = cli("--repo-root", str(root), "rebase", "--to", NEW)
+    assert res.rc == 0, res.err
+    patch = (root / "patches" / "disagg-comment-near-an-upstream-change.patch").read_text()
+    assert "\n+import hashlib" not in patch and " import hashlib\n" in patch  # new context
+    assert cli("--repo-root", str(root), "check", "--no-installed").rc == 0
