@@ -35,7 +35,8 @@ def _repo_root(args: argparse.Namespace, pd: PatchDir) -> Path:
 
 def cmd_apply(args: argparse.Namespace) -> int:
     pd = _patch_dir(args)
-    for line in installed.apply(find_installed(_opt_path(args.site_packages)), pd):
+    act = installed.revert if args.revert else installed.apply
+    for line in act(find_installed(_opt_path(args.site_packages)), pd):
         print(line)
     return 0
 
@@ -158,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("apply", help="apply the series to the installed sglang (idempotent)")
     s.add_argument("--site-packages", help="directory holding sglang/ (default: the importable one)")
+    s.add_argument("--revert", action="store_true", help="un-apply instead: restore the pristine files")
     s.set_defaults(func=cmd_apply)
 
     s = sub.add_parser("status", help="per patch: applied / not applied / conflicting (exit 1 unless all applied)")

@@ -18,7 +18,7 @@ from pathlib import Path
 from sglang_disagg.patches.errors import PatchError
 from sglang_disagg.patches.model import PatchDir
 from sglang_disagg.patches.releases import Installed, require_version
-from sglang_disagg.patches.scratch import scratch, series_paths
+from sglang_disagg.patches.scratch import Scratch, scratch, series_paths
 
 MARKER = ".sglang_disagg_patches.json"
 
@@ -76,15 +76,32 @@ def _marker_matches(inst: Installed, pd: PatchDir, paths: list[str]) -> bool:
     )
 
 
-def _write_marker(inst: Installed, pd: PatchDir, names: list[str], paths: list[str]) -> None:
+def _write_marker(inst: Installed, pd: PatchDir, patches: list[Path], paths: list[str]) -> None:
     data = {
         "tool": "python -m sglang_disagg.patches",
         "upstream_version": pd.upstream().version,
         "series_digest": pd.digest(),
-        "patches": names,
+        "patches": [p.name for p in patches],
         "files": _file_hashes(inst.site_packages, paths),
+        "patch_texts": {p.name: p.read_text() for p in patches},
     }
     _marker_path(inst).write_text(json.dumps(data, indent=2) + "\n")
+
+
+def _recorded_series(inst: Installed, where: Path) -> list[Path] | None:
+    """The series a previous ``apply`` recorded, written to ``where``, if the files are untouched since."""
+    try:
+        data = json.loads(_marker_path(inst).read_text())
+        names, texts, files = data["patches"], data["patch_texts"], data["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(files, dict) or files != _file_hashes(inst.site_packages, list(files)):
+        return None
+    out = []
+    for name in names:
+        (where / name).write_text(texts[name])
+        out.append(where / name)
+    return out
 
 
 def analyze(inst: Installed, pd: PatchDir, *, use_marker: bool = True) -> Report:
@@ -111,32 +128,66 @@ def status(inst: Installed, pd: PatchDir) -> Report:
     return analyze(inst, pd)
 
 
+def _to_pristine(sc: Scratch, inst: Installed, report: Report, patches: list[Path]) -> list[str]:
+    """Copy the touched files into ``sc`` and reverse whatever series is applied; returns all paths.
+
+    ``patches`` is the current series; when it is only partly there, the series recorded by the
+    previous ``apply`` is reversed instead (if the files are as that apply left them).
+    """
+    paths = series_paths(patches)
+    if report.none_applied:
+        sc.copy_from(inst.site_packages, paths)
+        return paths
+    previous = patches if report.all_applied else _recorded_series(inst, sc.root)
+    if previous is None:
+        raise PatchError(
+            "the installed sglang is partially patched or modified (and not as a previous apply left it); "
+            "not touching it:\n" + "\n".join(report.lines()[1:])
+            + f"\nrestore it with `pip install --force-reinstall --no-deps sglang=={inst.version}`, then apply again"
+        )
+    all_paths = list(dict.fromkeys([*paths, *series_paths(previous)]))
+    sc.copy_from(inst.site_packages, all_paths)
+    for patch in reversed(previous):
+        ok, err = sc.try_apply(patch, reverse=True)
+        if not ok:
+            raise PatchError(f"cannot un-apply the previously applied {patch.name}:\n{err}")
+    return all_paths
+
+
 def apply(inst: Installed, pd: PatchDir) -> list[str]:
-    """Apply the whole series to ``inst``; returns messages. Idempotent; all-or-nothing."""
+    """Apply the whole series to ``inst``; returns messages. Idempotent; all-or-nothing.
+
+    A copy patched by an earlier ``apply`` with another series (recorded in the marker, files
+    untouched since) is first restored to pristine, then patched with the current series.
+    """
     up = pd.upstream()
     require_version(inst, up)
     patches = pd.patch_paths()
     paths = series_paths(patches)
     report = analyze(inst, pd)
-    names = [p.name for p in patches]
+    where = f"sglang {inst.version} in {inst.site_packages}"
     if report.all_applied:
         if not report.marker_ok and patches:
-            _write_marker(inst, pd, names, paths)
-        return [f"already applied: {len(patches)} patch(es) on sglang {inst.version} in {inst.site_packages}"]
-    if not report.none_applied:
-        raise PatchError(
-            "the installed sglang is partially patched or modified; not touching it:\n"
-            + "\n".join(report.lines()[1:])
-            + f"\nrestore it with `pip install --force-reinstall --no-deps sglang=={up.version}`, then apply again",
-        )
+            _write_marker(inst, pd, patches, paths)
+        return [f"already applied: {len(patches)} patch(es) on {where}"]
     with scratch() as sc:
-        sc.copy_from(inst.site_packages, paths)
+        all_paths = _to_pristine(sc, inst, report, patches)
         for patch in patches:
             ok, err = sc.try_apply(patch)
             if not ok:
                 raise PatchError(f"{patch.name} does not apply after the patches before it:\n{err}")
-        changed = sc.sync_to(inst.site_packages, paths)
-    _write_marker(inst, pd, names, paths)
-    return [f"applied {len(patches)} patch(es) to sglang {inst.version} in {inst.site_packages}"] + [
-        f"  {p}" for p in changed
-    ]
+        changed = sc.sync_to(inst.site_packages, all_paths)
+    _write_marker(inst, pd, patches, paths)
+    verb = "applied" if report.none_applied else "replaced the previously applied series with"
+    return [f"{verb} {len(patches)} patch(es) on {where}"] + [f"  {p}" for p in changed]
+
+
+def revert(inst: Installed, pd: PatchDir) -> list[str]:
+    """Restore the pristine files: un-apply the current series, or the one the marker recorded."""
+    patches = pd.patch_paths()
+    report = analyze(inst, pd)
+    with scratch() as sc:
+        all_paths = _to_pristine(sc, inst, report, patches)
+        changed = sc.sync_to(inst.site_packages, all_paths)
+    _marker_path(inst).unlink(missing_ok=True)
+    return [f"reverted: sglang {inst.version} in {inst.site_packages} is pristine"] + [f"  {p}" for p in changed]

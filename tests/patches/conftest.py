@@ -123,6 +123,7 @@ def patch_sets(releases: dict[str, Upstream], tmp_path_factory: pytest.TempPathF
     """Exported series (patch files + series, no UPSTREAM), authored once per session.
 
     * ``new-version``: on NEW, appends a comment to sglang/version.py
+    * ``new-version-v2``: the same patch, edited (another comment)
     * ``old-clean``: on OLD, that patch + a comment on a line that only moved in NEW
     * ``old-conflict``: on OLD, that patch + an edit of a line that NEW changed
     * ``old-3way``: on OLD, that patch + an edit whose context NEW changed (3-way merge needed)
@@ -137,6 +138,10 @@ def patch_sets(releases: dict[str, Upstream], tmp_path_factory: pytest.TempPathF
         git_commit_all(ws, "test: mark version.py", "Why: exercise the patch tool.")
         if version == NEW:
             sets["new-version"] = _export(root, ws, base / "new-version")
+            edit(ws / "sglang" / "version.py", "# sglang-disagg: test patch\n", "# sglang-disagg: test patch v2\n")
+            env = {**os.environ, **AUTHOR_ENV}
+            subprocess.run(["git", "commit", "-q", "-a", "--amend", "--no-edit"], cwd=ws, env=env, check=True)
+            sets["new-version-v2"] = _export(root, ws, base / "new-version-v2")
             continue
         edit(ws / DISAGG_UTILS, STABLE_LINE, STABLE_LINE.rstrip("\n") + "  # sglang-disagg: stable\n")
         git_commit_all(ws, "disagg: comment a stable import", "Applies to 0.5.22 and 0.5.23.")

@@ -134,3 +134,43 @@ def test_errors_have_no_traceback(tmp_path: Path) -> None:
     assert proc.returncode == 1
     assert proc.stderr.startswith("error: ") and ": missing (" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_apply_replaces_previous_series_and_reverts(
+    version_patch_repo: Path, patch_sets: dict[str, Path], make_site_packages: Callable[..., Path],
+    cli: Callable[..., Cli],
+) -> None:
+    sp = make_site_packages(NEW)
+    repo = ("--repo-root", str(version_patch_repo))
+    pristine = (sp / VERSION_PY).read_text()
+    assert cli(*repo, "apply", "--site-packages", str(sp)).rc == 0
+    v2 = patch_sets["new-version-v2"] / "test-mark-version.py.patch"
+    (version_patch_repo / "patches" / v2.name).write_bytes(v2.read_bytes())  # the patch was edited
+
+    res = cli(*repo, "status", "--site-packages", str(sp))
+    assert res.rc == 1 and "conflicting  test-mark-version.py.patch" in res.out
+    res = cli(*repo, "apply", "--site-packages", str(sp))
+    assert res.rc == 0 and "replaced the previously applied series" in res.out, res.err
+    assert (sp / VERSION_PY).read_text() == pristine + "# sglang-disagg: test patch v2\n"
+    assert cli(*repo, "status", "--site-packages", str(sp)).rc == 0
+
+    res = cli(*repo, "apply", "--revert", "--site-packages", str(sp))
+    assert res.rc == 0 and "pristine" in res.out
+    assert (sp / VERSION_PY).read_text() == pristine and not (sp / "sglang" / MARKER).exists()
+    assert "not applied" in cli(*repo, "status", "--site-packages", str(sp)).out
+
+
+def test_apply_refuses_edited_after_apply(
+    version_patch_repo: Path, patch_sets: dict[str, Path], make_site_packages: Callable[..., Path],
+    cli: Callable[..., Cli],
+) -> None:
+    sp = make_site_packages(NEW)
+    repo = ("--repo-root", str(version_patch_repo))
+    assert cli(*repo, "apply", "--site-packages", str(sp)).rc == 0
+    edit(sp / VERSION_PY, "# sglang-disagg: test patch\n", "# sglang-disagg: test patch\nlocal = 1\n")
+    v2 = patch_sets["new-version-v2"] / "test-mark-version.py.patch"
+    (version_patch_repo / "patches" / v2.name).write_bytes(v2.read_bytes())
+    before = (sp / VERSION_PY).read_bytes()
+    res = cli(*repo, "apply", "--site-packages", str(sp))
+    assert res.rc == 1 and "not as a previous apply left it" in res.err
+    assert (sp / VERSION_PY).read_bytes() == before
