@@ -1,8 +1,12 @@
 """Build hook for the native libfabric shim; all metadata lives in pyproject.toml.
 
-Needs Debian's libfabric-dev at build time and libfabric1 at run time.
+Needs Debian's libfabric-dev at build time and libfabric1 at run time. The shim's C
+sources ship as package data so that an sdist can rebuild it.
 """
 
 from setuptools import setup
 
-setup(cffi_modules=["sglang_disagg/backends/libfabric/_build.py:ffibuilder"])
+setup(
+    cffi_modules=["sglang_disagg/backends/libfabric/_build.py:ffibuilder"],
+    package_data={"sglang_disagg.backends.libfabric": ["shim.c", "shim.h"]},
+)

@@ -81,21 +81,22 @@ def run_target(backend: str, provider: str | None, wls: list, args, bar) -> list
         for w in wls:
             src_size, dst_size = region_bytes(w)
             src, dst = tx.call("alloc", size=src_size), rx.call("alloc", size=dst_size)
-            modes = ["python"] + (["raw"] if backend == "libfabric" and w.kind == "page" else [])
-            for mode in modes:
-                r = tx.call("run", spec=w.to_dict(), region=src["region"], desc=dst["desc"], mode=mode,
-                            budget_s=args.budget, min_iters=3, max_iters=200)
-                total = sum(r["lat"])
+            mode = "both" if backend == "libfabric" and w.kind == "page" else "python"
+            r = tx.call("run", spec=w.to_dict(), region=src["region"], desc=dst["desc"], mode=mode,
+                        budget_s=args.budget, min_iters=3, max_iters=200)
+            for name, lat in ((backend, r["lat"]), (f"{backend}-raw-c", r["lat_raw"])):
+                if not lat:
+                    continue
+                total = sum(lat)
                 rows.append({
-                    "backend": backend if mode == "python" else f"{backend}-raw-c",
-                    "provider": provider or {"nixl": "ucx", "mooncake": "tcp"}[backend],
+                    "backend": name, "provider": provider or {"nixl": "ucx", "mooncake": "tcp"}[backend],
                     "workload": w.name, "kind": w.kind, "layout": w.layout or None,
                     "page_bytes": w.page_bytes, "write_bytes": r["bytes"] // r["writes"],
                     "writes_per_request": r["writes"], "batches_per_request": r["batches"],
-                    "bytes_per_request": r["bytes"], "requests": len(r["lat"]),
-                    "gbps": r["bytes"] * len(r["lat"]) / total / 1e9,
-                    "writes_per_s": r["writes"] * len(r["lat"]) / total,
-                    "p50_ms": statistics.median(r["lat"]) * 1e3, "p99_ms": pct(r["lat"], 0.99) * 1e3,
+                    "bytes_per_request": r["bytes"], "requests": len(lat),
+                    "gbps": r["bytes"] * len(lat) / total / 1e9,
+                    "writes_per_s": r["writes"] * len(lat) / total,
+                    "p50_ms": statistics.median(lat) * 1e3, "p99_ms": pct(lat, 0.99) * 1e3,
                 })
             tx.call("free", region=src["region"])
             rx.call("free", region=dst["region"])
@@ -135,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="small workloads, short budget (< 1 min)")
     ap.add_argument("--backends", help="comma list of backend[:provider], e.g. libfabric:shm,nixl")
     ap.add_argument("--workloads", help="comma list of workload names (see transfer_workloads.py)")
-    ap.add_argument("--budget", type=float, help="seconds per (target, workload, mode)")
+    ap.add_argument("--budget", type=float, help="seconds per (target, workload)")
+    ap.add_argument("--limits-mib", type=int, help="bytes moved by the memcpy / TCP limit probes (MiB)")
     args = ap.parse_args(argv)
     args.budget = args.budget or (0.3 if args.quick else 2.0)
     wls = workloads(args.quick)
@@ -157,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"host": platform.node(), "cpus": os.cpu_count(), "quick": args.quick,
               "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "skipped": skipped}
     with tqdm(total=len(usable) * len(wls) + 2, desc="transfer bench", unit="cell") as bar:
-        size = (64 if args.quick else 256) << 20
+        size = (args.limits_mib or (64 if args.quick else 256)) << 20
         result["memcpy_gbps"] = memcpy_gbps(size)
         bar.update(1)
         result["tcp_loopback_gbps"] = tcp_loopback_gbps(size)
