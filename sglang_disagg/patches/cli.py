@@ -98,6 +98,8 @@ def cmd_export(args: argparse.Namespace) -> int:
             exported = workspace.export(ws)
     else:
         raise PatchError("export needs --from WORKSPACE (or --check to verify the committed patches)")
+    for warning in exported.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
     if args.check:
         diff = _diff_export(pd, exported)
         if diff:

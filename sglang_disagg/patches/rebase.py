@@ -174,6 +174,7 @@ def finish(ws: Path, pd: PatchDir, repo_root: Path, no_changelog: bool) -> list[
     new.save(pd.upstream_path)
     lines = [f"rebased {len(exported.names)} patch(es) from sglang {old.version} to {new.version}"]
     lines += [f"  {c}" for c in changes] + [f"  updated  UPSTREAM ({new.archive})"]
+    lines += [f"warning: {w}" for w in exported.warnings]
     if not no_changelog and old.version != new.version:
         add_changelog_line(repo_root / CHANGELOG, changelog_line(old.version, new.version))
         lines.append(f"  updated  {CHANGELOG}")

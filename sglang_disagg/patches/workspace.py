@@ -25,7 +25,7 @@ from sglang_disagg.patches.scratch import series_paths
 FORMAT_PATCH_ARGS = (
     "format-patch", "--zero-commit", "--no-signature", "--no-numbered", "--keep-subject",
     "--no-cover-letter", "--no-thread", "--no-attach", "--stat=80", "--abbrev=12", "-M",
-    "--encoding=UTF-8",
+    "--encoding=UTF-8", "--filename-max-length=64",
 )
 
 
@@ -34,6 +34,7 @@ class Exported:
     """What export writes: patch file name -> bytes, in series order."""
 
     patches: tuple[tuple[str, bytes], ...]
+    warnings: tuple[str, ...] = ()
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -74,10 +75,9 @@ def create(ws: Path, up: Upstream, patches: list[Path], *, sparse: bool = False)
         repos.full_base(ws, up)
     proc = am(ws, patches)
     if proc is not None and proc.returncode != 0:
-        raise PatchError(
-            f"{am_failure(ws, proc)}\nThe committed series does not apply to {up.package} {up.version}; "
-            f"workspace left at {ws} (resolve, `git am --continue`, then export --from it)"
-        )
+        hint = "" if sparse else f"; workspace left at {ws} (resolve, `git am --continue`, then export --from it)"
+        raise PatchError(f"{am_failure(ws, proc)}\nthe committed series does not apply to "
+                         f"{up.package} {up.version}{hint}")
 
 
 def workspace_upstream(ws: Path) -> Upstream:
@@ -102,6 +102,8 @@ def export(ws: Path) -> Exported:
     rng = f"{UPSTREAM_TAG}..HEAD"
     if git_text(["rev-list", "--merges", rng], ws):
         raise PatchError(f"{ws}: merge commits after '{UPSTREAM_TAG}'; keep the history linear")
+    untracked = [line[3:] for line in git_text(["status", "--porcelain"], ws).splitlines() if line.startswith("??")]
+    warnings = tuple(f"untracked, not exported (git add + commit it, or delete it): {u}" for u in untracked)
     patches: list[tuple[str, bytes]] = []
     with tempfile.TemporaryDirectory(prefix="sglang-disagg-export-") as tmp:
         git([*FORMAT_PATCH_ARGS, "-o", tmp, rng], ws)
@@ -110,7 +112,7 @@ def export(ws: Path) -> Exported:
             if name in (n for n, _ in patches):
                 raise PatchError(f"two commits export to {name}; give one a different subject")
             patches.append((name, path.read_bytes()))
-    return Exported(tuple(patches))
+    return Exported(tuple(patches), warnings)
 
 
 def write_export(exported: Exported, patch_dir: Path, series: Series) -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -109,3 +110,7 @@ def test_export_refuses_dirty_workspace(
     edit(ws / "sglang" / "version.py", "# sglang-disagg: test patch", "# uncommitted")
     res = cli("--repo-root", str(version_patch_repo), "export", "--from", str(ws))
     assert res.rc == 1 and "uncommitted changes" in res.err
+    subprocess.run(["git", "checkout", "-q", "--", "."], cwd=ws, check=True)
+    (ws / "sglang" / "new_module.py").write_text("x = 1\n")
+    res = cli("--repo-root", str(version_patch_repo), "export", "--from", str(ws))
+    assert res.rc == 0 and "warning: untracked, not exported" in res.err and "sglang/new_module.py" in res.err
