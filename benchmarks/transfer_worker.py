@@ -89,6 +89,9 @@ class Bench:
 
 
 def main() -> None:
+    # Native libraries (UCX, glog) may print to fd 1: keep it for them, reply on a private copy.
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
     b = Bench()
     for line in sys.stdin:
         req = json.loads(line)
@@ -99,8 +102,8 @@ def main() -> None:
             reply = {"ok": True, **getattr(b, op)(**req)}
         except Exception as e:  # noqa: BLE001 - reported to the driver
             reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-        sys.stdout.write(json.dumps(reply) + "\n")
-        sys.stdout.flush()
+        out.write(json.dumps(reply) + "\n")
+        out.flush()
     os._exit(0)
 
 

@@ -107,9 +107,8 @@ class NixlBackend(TransferBackend):
     def _check_remote(self, peer: Peer, d: RegionDescriptor) -> None:
         if d.extra.get("agent") != peer.native or not isinstance(d.extra.get("md"), str):
             raise DescriptorError(f"NIXL descriptor names agent {d.extra.get('agent')!r}, peer is {peer.native!r}")
-        # Re-load the agent metadata carried by the descriptor: it knows this region.
-        with contextlib.suppress(TransferError):
-            self._agent.remove_remote_agent(peer.native)
+        # Load the agent metadata carried by the descriptor (it knows this region); NIXL
+        # updates a known agent in place, so transfers in flight are untouched.
         self._load_remote(d.extra["md"])
 
     def _native_disconnect(self, peer: Peer) -> None:

@@ -158,8 +158,10 @@ class Worker:
 
 
 def main() -> None:
+    # Native libraries (UCX, glog) may print to fd 1: keep it for them, reply on a private copy.
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
     w = Worker()
-    out = sys.stdout
     for line in sys.stdin:
         req = json.loads(line)
         op = req.pop("op")
