@@ -52,12 +52,19 @@ def cmd_workspace(args: argparse.Namespace) -> int:
     pd = _patch_dir(args)
     ws = Path(args.dir).resolve()
     up = pd.upstream()
-    if args.version and args.version != up.version:
+    n = len(pd.series().names)
+    if args.version and args.version != up.version:  # the series replayed 3-way, as rebase does
+        from sglang_disagg.patches import rebase
         from sglang_disagg.patches.releases import fetch_release
 
-        up = fetch_release(args.version)
+        target = fetch_release(args.version)
+        stopped = rebase.replay(ws, pd, target)
+        if stopped:
+            raise PatchError(f"{stopped}\nworkspace {ws} kept: resolve, `git add`, `git am --continue`")
+        print(f"workspace {ws}: sglang {target.version} + {n} patch commit(s) replayed from the pinned {up.version}")
+        print(f"to move the pin there: python -m sglang_disagg.patches rebase --continue --workspace {ws}")
+        return 0
     workspace.create(ws, up, pd.patch_paths())
-    n = len(pd.series().names)
     print(f"workspace {ws}: sglang {up.version} + {n} patch commit(s) on top of tag '{UPSTREAM_TAG}'")
     print(f"edit with git there, then: python -m sglang_disagg.patches export --from {ws}")
     return 0

@@ -84,30 +84,25 @@ def start(to: str, pd: PatchDir, repo_root: Path, ws: Path | None, no_changelog:
     old = pd.upstream()
     if to == old.version:
         raise PatchError(f"the series is already pinned to sglang {to}")
-    patches = pd.patch_paths()
     target = fetch_release(to)
     auto_ws = ws is None
     ws = ws or Path(tempfile.mkdtemp(prefix=f"sglang-disagg-rebase-{old.version}-to-{to}-"))
     if auto_ws:
         ws.rmdir()
     try:
-        _replay(ws, old, target, patches, pd, repo_root)
-    except _Stopped as stop:
-        raise PatchError(str(stop)) from None
+        stopped = replay(ws, pd, target)
     except BaseException:
         if auto_ws:
             shutil.rmtree(ws, ignore_errors=True)
         raise
+    if stopped:
+        raise PatchError(stopped + _instructions(ws, pd, repo_root, old.version, to))
     lines = finish(ws, pd, repo_root, no_changelog)
     if auto_ws:
         shutil.rmtree(ws, ignore_errors=True)
     else:
         lines.append(f"workspace {ws} (sglang {to} + series) kept")
     return lines
-
-
-class _Stopped(Exception):
-    """git am stopped at a conflict: the workspace is kept for the user."""
 
 
 def _prepare(ws: Path, pd: PatchDir, old: Upstream, target: Upstream) -> None:
@@ -127,11 +122,11 @@ def _prepare(ws: Path, pd: PatchDir, old: Upstream, target: Upstream) -> None:
     git(["config", _FROM_KEY, old.version], ws)
 
 
-def _replay(ws: Path, old: Upstream, target: Upstream, patches: list[Path], pd: PatchDir, root: Path) -> None:
-    _prepare(ws, pd, old, target)
-    proc = workspace.am(ws, patches)
-    if proc is not None and proc.returncode != 0:
-        raise _Stopped(workspace.am_failure(ws, proc) + _instructions(ws, pd, root, old.version, target.version))
+def replay(ws: Path, pd: PatchDir, target: Upstream) -> str | None:
+    """A workspace on ``target`` with the series replayed (3-way); why it stopped, or None."""
+    _prepare(ws, pd, pd.upstream(), target)
+    proc = workspace.am(ws, pd.patch_paths())
+    return workspace.am_failure(ws, proc) if proc is not None and proc.returncode != 0 else None
 
 
 def dry_run(to: str, pd: PatchDir) -> tuple[bool, list[str]]:
