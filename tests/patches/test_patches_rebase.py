@@ -124,3 +124,19 @@ def test_rebase_merges_three_way(
     patch = (root / "patches" / "disagg-comment-near-an-upstream-change.patch").read_text()
     assert "\n+import hashlib" not in patch and " import hashlib\n" in patch  # new context
     assert cli("--repo-root", str(root), "check", "--no-installed").rc == 0
+
+
+def test_workspace_on_other_version_then_continue(
+    make_repo: Callable[..., Path], patch_sets: dict[str, Path], releases: dict[str, Upstream],
+    cli: Callable[..., Cli], tmp_path: Path,
+) -> None:
+    root = make_repo(OLD, patch_sets["old-clean"])
+    ws = tmp_path / "ws-new"
+    res = cli("--repo-root", str(root), "workspace", str(ws), "--version", NEW)
+    assert res.rc == 0, res.err
+    assert f"replayed from the pinned {OLD}" in res.out and "rebase --continue" in res.out
+    res = cli("--repo-root", str(root), "export", "--from", str(ws))
+    assert res.rc == 1 and f"based on sglang {NEW}" in res.err and "rebase --continue" in res.err
+    res = cli("--repo-root", str(root), "rebase", "--continue", "--workspace", str(ws))
+    assert res.rc == 0, res.err
+    assert Upstream.load(root / "patches" / "UPSTREAM") == releases[NEW]
