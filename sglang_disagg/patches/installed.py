@@ -97,6 +97,8 @@ def _recorded_series(inst: Installed, where: Path) -> list[Path] | None:
         return None
     if not isinstance(files, dict) or files != _file_hashes(inst.site_packages, list(files)):
         return None
+    if any(not isinstance(n, str) or "/" in n or n.startswith(".") or n not in texts for n in names):
+        return None
     out = []
     for name in names:
         (where / name).write_text(texts[name])
