@@ -4,7 +4,9 @@
  * Progress: manual-progress providers (shm, tcp;ofi_rxm) only move data when the
  * CQ is read, so posting drains the CQ on -FI_EAGAIN, and idle polling yields:
  * on 2 vCPUs a spinning poller starves the peer's progress. */
+#ifndef _GNU_SOURCE
 #define _GNU_SOURCE
+#endif
 #include <errno.h>
 #include <pthread.h>
 #include <sched.h>
@@ -58,6 +60,7 @@ struct shim_ep {
     struct imm_count *imms; size_t n_imms, cap_imms;
     struct shim_op recv_ops[N_RECV];
     char async_msg[192]; int async_status;
+    int64_t last_activity;           /* ns; last post or completion, drives idle back-off */
 };
 
 static void set_err(char *err, size_t len, const char *what, int ret) {
@@ -68,6 +71,8 @@ static int64_t now_ns(void) {
     struct timespec ts; clock_gettime(CLOCK_MONOTONIC, &ts);
     return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
+
+static void touch(shim_ep *e) { __atomic_store_n(&e->last_activity, now_ns(), __ATOMIC_RELAXED); }
 
 static void list_del(struct shim_batch *b) { b->prev->next = b->next; b->next->prev = b->prev; }
 
@@ -161,14 +166,18 @@ static int drain(shim_ep *e) {
             }
         }
         total += (int)n;
+        touch(e);
         if (n < CQ_BATCH) return total;
     }
 }
 
-static void idle(int *spins) {
-    /* yield first (latency), then sleep: a yielding loop still burns a core */
-    if (++*spins < 2000) { sched_yield(); return; }
-    struct timespec ts = {0, 50000}; nanosleep(&ts, NULL);
+/* Nothing to do: yield while traffic is recent (latency), then sleep, longer the longer
+ * we have been idle: even a yielding loop burns a core that the model needs. */
+static void idle_wait(shim_ep *e) {
+    int64_t idle = now_ns() - __atomic_load_n(&e->last_activity, __ATOMIC_RELAXED);
+    if (idle < 1000000) { sched_yield(); return; }
+    struct timespec ts = {0, idle < 20000000 ? 50000 : 500000};
+    nanosleep(&ts, NULL);
 }
 
 int shim_open(const char *prov, const char *node, shim_ep **out, char *err, size_t errlen) {
@@ -298,6 +307,7 @@ static int post_locked(shim_ep *e, struct shim_batch *b, size_t n, const uint64_
                        const uint64_t *src_off, const uint64_t *raddr, const uint64_t *rkey,
                        const uint64_t *len, uint32_t imm, char *err, size_t errlen) {
     b->remaining = n;
+    touch(e);
     b->next = e->live.next; b->prev = &e->live; e->live.next->prev = b; e->live.next = b;
     for (size_t i = 0; i < n; i++) {
         struct mr_slot *s = mr[i] < e->n_mrs ? &e->mrs[mr[i]] : NULL;
@@ -310,7 +320,6 @@ static int post_locked(shim_ep *e, struct shim_batch *b, size_t n, const uint64_
         }
         struct shim_op *op = &b->ops[i];
         op->b = b; op->kind = OP_WRITE;
-        int spins = 0;
         for (;;) {
             ssize_t ret = fi_writedata(e->ep, (char *)s->buf + src_off[i], len[i], s->desc,
                                        imm, b->peer, raddr[i], rkey[i], &op->ctx);
@@ -323,7 +332,7 @@ static int post_locked(shim_ep *e, struct shim_batch *b, size_t n, const uint64_
                 return (int)ret;
             }
             if (drain(e) == 0) {  /* queue full and nothing completed: let the peer run */
-                pthread_mutex_unlock(&e->lock); idle(&spins); pthread_mutex_lock(&e->lock);
+                pthread_mutex_unlock(&e->lock); idle_wait(e); pthread_mutex_lock(&e->lock);
             }
         }
     }
@@ -377,7 +386,6 @@ static int collect(shim_ep *e, shim_event *ev, int cap) {
 
 int shim_poll(shim_ep *e, shim_event *ev, int cap, int timeout_us) {
     int64_t end = now_ns() + (int64_t)timeout_us * 1000;
-    int spins = 0;
     for (;;) {
         pthread_mutex_lock(&e->lock);
         int got = drain(e);
@@ -385,7 +393,7 @@ int shim_poll(shim_ep *e, shim_event *ev, int cap, int timeout_us) {
         pthread_mutex_unlock(&e->lock);
         if (k) return k;
         if (now_ns() >= end) return 0;
-        if (got) spins = 0; else idle(&spins);
+        if (!got) idle_wait(e);
     }
 }
 
@@ -420,9 +428,8 @@ int64_t shim_bench(shim_ep *e, uint64_t peer, size_t n, const uint64_t *mr,
         pthread_mutex_lock(&e->lock);
         int ret = post_locked(e, b, n, mr, src_off, raddr, rkey, len, imm, err, errlen);
         if (ret) { pthread_mutex_unlock(&e->lock); return ret; }
-        int spins = 0;
         while (b->remaining) {
-            if (drain(e) == 0) { pthread_mutex_unlock(&e->lock); idle(&spins); pthread_mutex_lock(&e->lock); }
+            if (drain(e) == 0) { pthread_mutex_unlock(&e->lock); idle_wait(e); pthread_mutex_lock(&e->lock); }
         }
         int status = b->status;
         if (status) snprintf(err, errlen, "%s", b->msg);
