@@ -47,3 +47,25 @@ class HostMemoryNixlAgent:
 def nixl_agent_for_device(agent: Any, device: str) -> Any:
     """Wrap a nixl_agent so registrations match where the KV cache lives."""
     return HostMemoryNixlAgent(agent) if device == "cpu" else agent
+
+
+# --- Fault injection -------------------------------------------------------
+# SGLANG_DISAGG_FAULT=drop_kv makes a decode server forget the KV it just
+# received (zeroes the request's pages before its first decode step). It exists
+# for one purpose: the negative control of the equivalence tests, proving that
+# a decoder which did not get the prefill's KV produces different tokens, i.e.
+# that the token comparison can fail.
+FAULT_ENV = "SGLANG_DISAGG_FAULT"
+
+
+def after_kv_received(scheduler: Any, req: Any) -> None:
+    """Decode side: the transfer of ``req``'s prompt KV has completed."""
+    import os
+
+    if os.environ.get(FAULT_ENV, "") != "drop_kv":
+        return
+    kv = scheduler.token_to_kv_pool_allocator.get_kvcache()
+    locs = scheduler.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : len(req.origin_input_ids)]
+    for layer in range(kv.start_layer, kv.start_layer + kv.layer_num):
+        kv.get_key_buffer(layer)[locs] = 0
+        kv.get_value_buffer(layer)[locs] = 0

@@ -1,0 +1,27 @@
+# The two commands a newcomer needs: `make run` and `make test`. Both set up first.
+PY := .venv/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: setup run smoke test check-patches bench clean
+
+setup:
+	@bash scripts/setup.sh
+
+run: setup
+	$(PY) -m sglang_disagg.launch --role all
+
+smoke: setup
+	$(PY) -m sglang_disagg.launch --role all --smoke
+
+check-patches: setup
+	$(PY) -m sglang_disagg.patches check
+	$(PY) -m sglang_disagg.patches export --check
+
+test: setup check-patches
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+bench: setup
+	$(PY) benchmarks/transfer.py --out results/transfer
+
+clean:
+	rm -rf .venv build *.egg-info results

@@ -1,0 +1,98 @@
+"""One child process of a stack: started in its own process group, logged to a
+file, health-checked over HTTP, and stopped together with all its children
+(SGLang servers fork scheduler and detokenizer processes)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from sglang_disagg.launch.commands import ProcessSpec
+
+
+class StartupError(RuntimeError):
+    """A process died or did not become healthy in time; the message carries its log tail."""
+
+
+def log_tail(path: Path, lines: int = 25, width: int = 400) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    # SGLang prints all server args on one enormous line: clip long lines.
+    keep = [ln if len(ln) <= width else ln[:width] + " ..." for ln in text[-lines:]]
+    return "\n".join("    " + ln for ln in keep)
+
+
+class ManagedProcess:
+    def __init__(self, spec: ProcessSpec, log_dir: Path) -> None:
+        self.spec = spec
+        self.log_path = log_dir / f"{spec.name}.log"
+        self._proc: subprocess.Popen | None = None
+        self.started_at = 0.0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.spec.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "wb")  # noqa: SIM115 - owned by the child from here on
+        self.started_at = time.monotonic()
+        self._proc = subprocess.Popen(
+            list(self.spec.argv),
+            env=self.spec.environ(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        log.close()
+
+    def poll(self) -> int | None:
+        return self._proc.poll() if self._proc else None
+
+    def healthy(self, path: str = "/health", timeout: float = 2.0) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def check_alive(self) -> None:
+        code = self.poll()
+        if code is not None:
+            raise StartupError(
+                f"{self.spec.name} exited with code {code} during start-up; last lines of {self.log_path}:\n"
+                + log_tail(self.log_path)
+            )
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        if not self._proc or self._proc.poll() is not None:
+            return
+        try:
+            os.killpg(self._proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        try:
+            self._proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        # Children (schedulers, detokenizer) may outlive the leader: kill the group.
+        try:
+            os.killpg(self._proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            self._proc.wait(5)
+        except subprocess.TimeoutExpired:
+            pass

@@ -1,0 +1,129 @@
+"""A set of processes started, health-checked and stopped together.
+
+``Stack.for_config(cfg)`` builds the processes a role needs on this machine:
+``all`` = prefill + decode (started concurrently) then the sglang-router in PD
+mode; ``colocated`` / ``prefill`` / ``decode`` = one server; ``router`` = the
+router in front of remote workers. ``start()`` returns once the front door
+answers a real request, or raises ``StartupError`` with the failing process's
+log tail; ``stop()`` (or leaving the ``with`` block) tears everything down.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from sglang_disagg.launch.client import RequestError, generate_ids
+from sglang_disagg.launch.commands import router_spec, server_spec
+from sglang_disagg.launch.config import LaunchConfig, Role
+from sglang_disagg.launch.preflight import check_patches_applied, check_ports_free
+from sglang_disagg.launch.process import ManagedProcess, StartupError, log_tail
+from sglang_disagg.models import BUILTIN_MODELS, resolve_model_path
+
+Progress = Callable[[str], None]
+
+
+class Stack:
+    def __init__(self, cfg: LaunchConfig, servers: list[ManagedProcess], router: ManagedProcess | None,
+                 log_dir: Path, model_path: Path) -> None:
+        self.cfg = cfg
+        self.servers = servers
+        self.router = router
+        self.log_dir = log_dir
+        self.model_path = model_path
+        self.startup_s: float | None = None
+
+    @classmethod
+    def for_config(cls, cfg: LaunchConfig) -> Stack:
+        log_dir = Path(cfg.log_dir) if cfg.log_dir else Path(tempfile.mkdtemp(prefix=f"sglang-disagg-{cfg.role.value}-"))
+        model_path = Path()
+        servers: list[ManagedProcess] = []
+        if cfg.role is not Role.ROUTER:
+            model_path = resolve_model_path(cfg.model)
+            builtin = cfg.model in BUILTIN_MODELS
+            roles = [Role.PREFILL, Role.DECODE] if cfg.role is Role.ALL else [cfg.role]
+            servers = [ManagedProcess(server_spec(cfg, r, str(model_path), builtin), log_dir) for r in roles]
+        router = ManagedProcess(router_spec(cfg), log_dir) if cfg.role in (Role.ALL, Role.ROUTER) else None
+        return cls(cfg, servers, router, log_dir, model_path)
+
+    @property
+    def processes(self) -> list[ManagedProcess]:
+        return self.servers + ([self.router] if self.router else [])
+
+    @property
+    def url(self) -> str:
+        front = self.router or self.servers[0]
+        return front.url
+
+    def start(self, progress: Progress | None = None) -> None:
+        if self.cfg.role is not Role.ROUTER:
+            check_patches_applied()
+        check_ports_free(self.cfg)
+        t0 = time.monotonic()
+        deadline = t0 + self.cfg.startup_timeout_s
+        try:
+            for p in self.servers:
+                p.start()
+            self._wait(self.servers, deadline, progress)
+            if self.router:
+                self.router.start()
+                self._wait([self.router], deadline, progress)
+                self._wait_routable(deadline, progress)
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_s = time.monotonic() - t0
+
+    def _wait(self, procs: list[ManagedProcess], deadline: float, progress: Progress | None) -> None:
+        pending = list(procs)
+        last_report = 0.0
+        while pending:
+            for p in list(pending):
+                p.check_alive()
+                if p.healthy():
+                    pending.remove(p)
+                    if progress:
+                        progress(f"{p.spec.name} healthy on {p.url} after {time.monotonic() - p.started_at:.0f}s")
+            now = time.monotonic()
+            if pending and now > deadline:
+                names = ", ".join(p.spec.name for p in pending)
+                raise StartupError(f"timed out waiting for {names}; last lines of {pending[0].log_path}:\n"
+                                   + log_tail(pending[0].log_path))
+            if pending and progress and now - last_report >= 5:
+                last_report = now
+                progress("waiting for " + ", ".join(f"{p.spec.name} ({now - p.started_at:.0f}s)" for p in pending))
+            if pending:
+                time.sleep(0.5)
+
+    def _wait_routable(self, deadline: float, progress: Progress | None) -> None:
+        """The router's /health is green before it has discovered its workers:
+        only a real request proves the PD path (router -> prefill + decode) works."""
+        last_err = ""
+        while time.monotonic() < deadline:
+            for p in self.processes:
+                p.check_alive()
+            try:
+                generate_ids(self.url, [1], 1, timeout=30)
+                if progress:
+                    progress(f"router routes requests on {self.url}")
+                return
+            except (RequestError, OSError) as e:
+                last_err = str(e)
+                time.sleep(1)
+        raise StartupError(f"router on {self.url} never routed a request: {last_err}\n" + log_tail(self.router.log_path))
+
+    def stop(self) -> None:
+        for p in reversed(self.processes):
+            p.stop()
+
+    def dead(self) -> list[ManagedProcess]:
+        return [p for p in self.processes if p.poll() is not None]
+
+    def __enter__(self) -> Stack:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
