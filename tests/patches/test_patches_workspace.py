@@ -9,13 +9,17 @@ from pathlib import Path
 from conftest import NEW, Cli, edit, git_commit_all
 
 from sglang_disagg.patches.gitutil import git_text
+from sglang_disagg.patches.model import Upstream
+from sglang_disagg.patches.repos import upstream_repo
 
 
 def _snapshot(patches: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(patches.iterdir())}
 
 
-def test_workspace_layout(version_patch_repo: Path, cli: Callable[..., Cli], tmp_path: Path) -> None:
+def test_workspace_layout(
+    version_patch_repo: Path, releases: dict[str, Upstream], cli: Callable[..., Cli], tmp_path: Path
+) -> None:
     ws = tmp_path / "ws2"
     res = cli("--repo-root", str(version_patch_repo), "workspace", str(ws))
     assert res.rc == 0, res.err
@@ -26,10 +30,8 @@ def test_workspace_layout(version_patch_repo: Path, cli: Callable[..., Cli], tmp
     assert log[0] == "test: mark version.py|Test Author|2026-01-02T03:04:05+00:00"
     body = git_text(["log", "-1", "--format=%b"], ws)
     assert body == "Why: exercise the patch tool."
-    # the upstream commit is the same for everyone
-    first = tmp_path / "ws3"
-    assert cli("--repo-root", str(version_patch_repo), "workspace", str(first)).rc == 0
-    assert git_text(["rev-parse", "upstream"], ws) == git_text(["rev-parse", "upstream"], first)
+    # the upstream commit is the same for everyone: fixed tree, author, date, message
+    assert git_text(["rev-parse", "upstream"], ws) == git_text(["rev-parse", "upstream"], upstream_repo(releases[NEW]))
 
 
 def test_export_round_trip_is_deterministic(
