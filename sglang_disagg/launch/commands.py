@@ -67,6 +67,9 @@ def _server_base(cfg: LaunchConfig, model_path: str, builtin: bool, port: int, d
 
 def _env(cfg: LaunchConfig, tp: int) -> tuple[tuple[str, str], ...]:
     env = dict(CPU_SERVER_ENV) if cfg.device == "cpu" else {}
+    if cfg.host not in ("0.0.0.0", "::"):
+        # Bootstrap and transfer engines advertise this address to peers.
+        env["SGLANG_HOST_IP"] = cfg.host
     if cfg.device == "cpu" and tp > 1:
         env["SGLANG_CPU_OMP_THREADS_BIND"] = _cpu_bind(tp)
     env.update(dict(cfg.env))

@@ -1,0 +1,42 @@
+"""The launcher as a user runs it: `--role all --smoke`, and its start-up errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import _ports
+
+pytestmark = pytest.mark.e2e
+
+
+def _launch(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sglang_disagg.launch", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_role_all_smoke_prints_a_completion(tmp_path):
+    r = _launch("--role", "all", "--smoke", "--port", str(next(_ports)), "--log-dir", str(tmp_path))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "router routes requests" in r.stdout
+    assert "completion (32 tokens" in r.stdout
+    # both servers really took part: the router sent the chat request to each
+    for role in ("prefill", "decode"):
+        log = (tmp_path / f"{role}.log").read_text(errors="replace")
+        assert '"POST /v1/chat/completions HTTP/1.1" 200' in log, f"{role} never served the completion"
+
+
+def test_server_dying_during_startup_shows_its_log(tmp_path):
+    r = _launch("--role", "colocated", "--port", str(next(_ports)), "--log-dir", str(tmp_path),
+                "--attention-backend", "no-such-backend", timeout=120)
+    assert r.returncode == 1
+    assert "colocated exited with code" in r.stderr
+    assert "no-such-backend" in r.stderr  # SGLang's own complaint, from the log tail
+
+
+def test_missing_model_path_is_a_clear_error(tmp_path):
+    r = _launch("--role", "colocated", "--model-path", str(tmp_path / "nope"), timeout=60)
+    assert r.returncode == 2
+    assert "is not a directory" in r.stderr and "tiny-llama" in r.stderr

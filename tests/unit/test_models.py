@@ -1,0 +1,50 @@
+"""Built-in models: deterministic, complete, loadable by the tokenizer stack."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+
+from sglang_disagg.models import BUILTIN_MODELS, ensure_model, get_spec
+from sglang_disagg.models.generate import resolve_model_path
+
+
+def _digest(path):
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(path.iterdir())}
+
+
+def test_generation_is_deterministic(tmp_path):
+    a = ensure_model("tiny-llama", tmp_path / "a")
+    b = ensure_model("tiny-llama", tmp_path / "b")
+    assert _digest(a) == _digest(b)
+    assert ensure_model("tiny-llama", tmp_path / "a") == a  # cached: same path, no regeneration
+
+
+def test_tokenizer_covers_the_whole_vocab_and_round_trips(tmp_path):
+    from transformers import AutoTokenizer
+
+    path = ensure_model("tiny-qwen3", tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3ForCausalLM"] and cfg["num_key_value_heads"] == 2
+    tok = AutoTokenizer.from_pretrained(str(path))
+    assert len(tok) == cfg["vocab_size"]
+    text = "Disaggregated prefill, décodé — 123!"
+    assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    assert chat == "<|user|>hi<|end|><|assistant|>"
+
+
+def test_specs_are_gqa_and_validated():
+    for spec in BUILTIN_MODELS.values():
+        assert spec.num_heads > spec.num_kv_heads  # grouped-query attention
+    with pytest.raises(ValueError, match="known: small-llama, tiny-llama, tiny-qwen3"):
+        get_spec("nope")
+
+
+def test_resolve_model_path_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a directory"):
+        resolve_model_path(str(tmp_path / "missing"))
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        resolve_model_path(str(tmp_path))
