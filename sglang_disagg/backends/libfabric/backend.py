@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..base import TransferBackend
-from ..errors import BackendUnavailable, TransferError
+from ..errors import BackendUnavailable, PeerLostError, TransferError
 from ..peer import Peer
 from ..regions import NativeRegistration, PageWrite, PeerState
 
@@ -166,7 +166,10 @@ class LibfabricBackend(TransferBackend):
         if self._poisoned:
             raise TransferError(self._poisoned)
         arrays, err = self._arrays(writes), _Errbuf()
-        _check(lib.shim_post(self._ep, batch_id, peer.native, len(writes), *arrays, imm, err.buf, 256), err, "post")
+        if lib.shim_post(self._ep, batch_id, peer.native, len(writes), *arrays, imm, err.buf, 256):
+            if peer.state is not PeerState.CONNECTED:
+                raise PeerLostError(f"libfabric post to {peer.address}: {err}")
+            raise TransferError(f"libfabric post: {err}")
 
     def raw_c_loop(self, peer: Peer, writes: Sequence[PageWrite], imm: int, iters: int) -> tuple[int, list[int]]:
         """Benchmark hook: post+poll `iters` batches entirely in C. Returns (total ns, per-batch ns)."""

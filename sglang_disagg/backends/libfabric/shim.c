@@ -26,6 +26,7 @@
 
 #define N_RECV 256
 #define CQ_BATCH 64
+#define POST_STALL_NS (10LL * 1000000000LL)
 
 enum { OP_WRITE = 1, OP_RECV = 2 };
 
@@ -320,19 +321,29 @@ static int post_locked(shim_ep *e, struct shim_batch *b, size_t n, const uint64_
         }
         struct shim_op *op = &b->ops[i];
         op->b = b; op->kind = OP_WRITE;
+        int64_t stalled_since = 0;
         for (;;) {
             ssize_t ret = fi_writedata(e->ep, (char *)s->buf + src_off[i], len[i], s->desc,
                                        imm, b->peer, raddr[i], rkey[i], &op->ctx);
             if (ret == 0) break;
+            /* A queue that stays full means the peer stopped answering: give up when
+             * Python abandoned the peer (control channel EOF) or after POST_STALL_NS. */
+            if (ret == -FI_EAGAIN && (b->abandoned ||
+                (stalled_since && now_ns() - stalled_since > POST_STALL_NS)))
+                ret = b->abandoned ? -FI_ECONNRESET : -FI_ETIMEDOUT;
             if (ret != -FI_EAGAIN) {
-                set_err(err, errlen, "fi_writedata", (int)ret);
+                set_err(err, errlen, b->abandoned ? "fi_writedata (peer lost while the queue was full)"
+                                                  : "fi_writedata", (int)ret);
                 b->remaining -= n - i;
                 if (b->remaining == 0) { list_del(b); free(b); }
                 else { b->internal = 0; b->abandoned = 1; }
                 return (int)ret;
             }
             if (drain(e) == 0) {  /* queue full and nothing completed: let the peer run */
+                if (!stalled_since) stalled_since = now_ns();
                 pthread_mutex_unlock(&e->lock); idle_wait(e); pthread_mutex_lock(&e->lock);
+            } else {
+                stalled_since = 0;
             }
         }
     }
