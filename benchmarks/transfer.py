@@ -12,11 +12,9 @@ batch, on the same provider, to show what the Python layer costs.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
