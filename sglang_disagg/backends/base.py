@@ -30,6 +30,7 @@ peers, validation, batch bookkeeping and the expected-count tracker.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import queue
@@ -154,7 +155,7 @@ class TransferBackend(ABC):
     def connect(self, address: str, timeout_s: float | None = None) -> Peer:
         self._check_open()
         timeout = timeout_s if timeout_s is not None else self.config.connect_timeout_s
-        conn = control.ControlConn(control.dial(address, timeout), self._on_frame, self._on_conn_lost)
+        conn = control.ControlConn(control.dial(address, timeout), self._on_frame, self._on_conn_lost, dialed=True)
         box: queue.Queue = queue.Queue()
         with self._lock:
             self._handshakes[conn] = box
@@ -214,15 +215,26 @@ class TransferBackend(ABC):
                 box = self._handshakes.get(conn)
             if box is not None:            # reply to our own connect(): admit here, before
                 try:                       # this reader thread reads the peer's next frame
+                    if "error" in hello:
+                        raise TransferError(f"peer refused the connection: {hello['error']}")
                     box.put(self._admit(conn, hello))
                 except Exception as e:  # noqa: BLE001 - handed to connect() to raise
                     box.put(e)
                 return
+            if conn.dialed:                # late reply to a connect() that gave up
+                conn.close(say_bye=False)
+                return
             try:                           # an incoming peer
                 peer = self._admit(conn, hello)
-                conn.send_json(control.HELLO, self._hello())
-            except Exception:
+            except Exception as e:  # noqa: BLE001 - a bad hello only costs that connection
+                with contextlib.suppress(TransferError):
+                    conn.send_json(control.HELLO, {"error": str(e)})
                 conn.close(say_bye=False)
+                return
+            try:
+                conn.send_json(control.HELLO, self._hello())
+            except TransferError as e:
+                self._drop_peer(peer, PeerState.LOST, f"handshake reply failed: {e}")
                 return
             self._accepted.put(peer)
             return

@@ -37,9 +37,10 @@ class ControlConn:
     """A framed connection with a reader thread; `on_lost` runs once, on EOF or error."""
 
     def __init__(self, sock: socket.socket, on_frame: Callable[[ControlConn, int, bytes], None],
-                 on_lost: Callable[[ControlConn, str], None]) -> None:
+                 on_lost: Callable[[ControlConn, str], None], dialed: bool = False) -> None:
         _tune(sock)
         self.sock = sock
+        self.dialed = dialed
         self._on_frame, self._on_lost = on_frame, on_lost
         self._send_lock = threading.Lock()
         self._closed = threading.Event()

@@ -105,3 +105,25 @@ def test_mooncake_split_respects_limits() -> None:
     assert all(len(p) <= 32 for p in parts)
     small = [PageWrite(None, 0, None, 0, 4096) for _ in range(1500)]
     assert [len(p) for p in split(small)] == [512, 512, 476]
+
+
+@pytest.mark.skipif(not backends.available("libfabric")[0], reason="libfabric shim not built")
+def test_handshake_refuses_mismatched_peers_and_dead_addresses() -> None:
+    from sglang_disagg.backends import BackendConfig, TransferError, create_backend
+    shm = create_backend("libfabric", BackendConfig(provider="shm"))
+    tcp = create_backend("libfabric", BackendConfig(provider="tcp"))
+    try:
+        with pytest.raises(TransferError, match="refused.*libfabric/tcp"):
+            tcp.connect(shm.address, timeout_s=5)
+        port = shm.address.rsplit(":", 1)[1]
+        shm.close()
+        t0 = time.monotonic()
+        with pytest.raises(PeerLostError, match="cannot reach"):
+            tcp.connect(f"127.0.0.1:{port}", timeout_s=5)
+        assert time.monotonic() - t0 < 2
+        with pytest.raises(TransferError, match="host:port"):
+            tcp.connect("nonsense", timeout_s=1)
+    finally:
+        shm.close()
+        tcp.close()
+    assert tcp.stats()["peers"] == 0

@@ -174,6 +174,7 @@ class LibfabricBackend(TransferBackend):
     def raw_c_loop(self, peer: Peer, writes: Sequence[PageWrite], imm: int, iters: int) -> tuple[int, list[int]]:
         """Benchmark hook: post+poll `iters` batches entirely in C. Returns (total ns, per-batch ns)."""
         from ..validate import check_write
+        self._check_open()
         checked = [check_write(self, peer, w, i) for i, w in enumerate(writes)]
         lat, err = ffi.new("int64_t[]", iters), _Errbuf()
         ns = lib.shim_bench(self._ep, peer.native, len(checked), *self._arrays(checked), imm, iters, lat, err.buf, 256)
@@ -196,6 +197,8 @@ class LibfabricBackend(TransferBackend):
                     self._async_error = ffi.string(ev.msg).decode(errors="replace")
 
     def _native_stats(self) -> dict[str, int]:
+        if self._ep == ffi.NULL:  # closed: the shim endpoint is freed
+            return {"native_batches": 0, "stale_addresses": 0, "poisoned": 0}
         return {"native_batches": int(lib.shim_live_batches(self._ep)), "stale_addresses": self._stale_addrs,
                 "poisoned": int(bool(self._poisoned))}
 
