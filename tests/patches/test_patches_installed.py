@@ -174,3 +174,14 @@ def test_apply_refuses_edited_after_apply(
     res = cli(*repo, "apply", "--site-packages", str(sp))
     assert res.rc == 1 and "not as a previous apply left it" in res.err
     assert (sp / VERSION_PY).read_bytes() == before
+
+
+def test_repo_root_found_from_cwd(version_patch_repo: Path) -> None:
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "sglang_disagg.patches", "check", "--no-installed"],
+        cwd=version_patch_repo / "patches", capture_output=True, text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "ok   series: 1 patch(es)" in proc.stdout
