@@ -200,6 +200,12 @@ int shim_open(const char *prov, const char *node, shim_ep **out, char *err, size
     fi_freeinfo(hints);
     if (ret) { set_err(err, errlen, "fi_getinfo", ret); free(e); return ret; }
     struct fi_info *fi = e->info;
+    if (fi->domain_attr->cq_data_size < 4) {  /* the tag must travel whole */
+        ret = -FI_ENOSYS;
+        snprintf(err, errlen, "provider %s carries %zu bytes of remote CQ data, need 4",
+                 fi->fabric_attr->prov_name, fi->domain_attr->cq_data_size);
+        goto fail;
+    }
     if ((ret = fi_fabric(fi->fabric_attr, &e->fabric, NULL))) { set_err(err, errlen, "fi_fabric", ret); goto fail; }
     if ((ret = fi_domain(e->fabric, fi, &e->domain, NULL))) { set_err(err, errlen, "fi_domain", ret); goto fail; }
     struct fi_av_attr av_attr = { .type = FI_AV_UNSPEC };
