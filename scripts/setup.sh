@@ -36,10 +36,11 @@ PIP="$PY -m pip --disable-pip-version-check -q"
 
 # 3. Pinned dependencies: the lock files are the full resolution, so --no-deps.
 DEPS_STAMP=$VENV/.deps-stamp
-want=$(stamp requirements/cpu.lock requirements/nixl.lock)
+want=$(stamp requirements/build.lock requirements/cpu.lock requirements/nixl.lock)
 if [ "$(cat "$DEPS_STAMP" 2>/dev/null)" != "$want" ]; then
   log "installing pinned dependencies (first time: a few minutes)"
   $PIP install --upgrade "pip>=24" >/dev/null
+  $PIP install -r requirements/build.lock
   $PIP install --no-deps -r requirements/cpu.lock
   $PIP install --no-deps -r requirements/nixl.lock
   echo "$want" > "$DEPS_STAMP"
@@ -50,7 +51,8 @@ PKG_STAMP=$VENV/.pkg-stamp
 want=$(stamp pyproject.toml setup.py $(find sglang_disagg -name '*.c' -o -name '*.h' -o -name '_build*.py' | sort))
 if [ "$(cat "$PKG_STAMP" 2>/dev/null)" != "$want" ]; then
   log "installing sglang_disagg (editable, builds the libfabric shim)"
-  $PIP install --no-build-isolation --no-deps -e . >/dev/null
+  $PIP install --no-build-isolation --no-deps -e . >"$VENV/.pkg-install.log" 2>&1 \
+    || { cat "$VENV/.pkg-install.log" >&2; exit 1; }
   echo "$want" > "$PKG_STAMP"
 fi
 
