@@ -163,7 +163,9 @@ class TransferBackend(PeerManager, ABC):
             fut.set_result(0)
             return fut
         batch_id = next(self._batch_ids)
-        with self._lock:
+        with self._lock:  # same lock as _drop_peer: either we see the loss or it sees us
+            if peer.state is not PeerState.CONNECTED:
+                raise PeerLostError(f"peer {peer.address} is {peer.state.value}")
             self._batches[batch_id] = (peer.id, fut)
         try:
             self._native_post(peer, batch_id, checked, imm)

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .base import TransferBackend
-from .errors import BackendUnavailable, DescriptorError, TransferError
+from .errors import BackendUnavailable, DescriptorError, PeerLostError, TransferError
 from .peer import Peer
 from .regions import NativeRegistration, PageWrite, RegionDescriptor
 
@@ -147,15 +147,15 @@ class NixlBackend(TransferBackend):
         self._load_remote(d.extra["md"])
 
     def _native_disconnect(self, peer: Peer) -> None:
-        with self._xlock:
+        with self._xlock:  # under the posting lock: no transfer to it is added after this
+            agent, peer.native = peer.native, None
             dead = [bid for bid, (_, pid) in self._xfers.items() if pid == peer.id]
             for bid in dead:
                 self._zombies.append(self._xfers.pop(bid)[0])
         self._reap()
-        if peer.native is not None:
+        if agent is not None:
             with contextlib.suppress(Exception):
-                self._agent.remove_remote_agent(peer.native)
-            peer.native = None
+                self._agent.remove_remote_agent(agent)
 
     def _native_register(self, addr: int, length: int) -> NativeRegistration:
         try:
@@ -177,21 +177,27 @@ class NixlBackend(TransferBackend):
         local = [(regs[w.src.id][0].addr + w.src_offset, w.length, 0) for w in writes]
         remote = [(w.dst.descriptor.base + w.dst_offset, w.length, 0) for w in writes]
         note = _NOTIF + f"{imm} {len(writes)}".encode()
+        agent = peer.native  # None once the peer is dropped
+        if agent is None:
+            raise PeerLostError(f"peer {peer.address} is {peer.state.value}")
         # The poller only sees the handle once posted: checking an unposted handle is an error.
         with self._xlock:
             try:
                 handle = self._agent.initialize_xfer("WRITE", self._agent.get_xfer_descs(local, "DRAM"),
-                                                     self._agent.get_xfer_descs(remote, "DRAM"), peer.native, note)
+                                                     self._agent.get_xfer_descs(remote, "DRAM"), agent, note)
                 if handle is None:
                     raise TransferError("initialize_xfer returned no handle")
                 state = self._agent.transfer(handle)
             except Exception as e:  # noqa: BLE001
-                raise TransferError(f"NIXL transfer to {peer.native}: {e}") from e
+                raise TransferError(f"NIXL transfer to {agent}: {e}") from e
             if state != "ERR":
-                self._xfers[batch_id] = (handle, peer.id)
+                if peer.native is None:  # lost while posting, after _native_disconnect swept
+                    self._zombies.append(handle)
+                else:
+                    self._xfers[batch_id] = (handle, peer.id)
         if state == "ERR":
             self._release(handle)
-            raise TransferError(f"NIXL transfer to {peer.native}: posting failed (state ERR)")
+            raise TransferError(f"NIXL transfer to {agent}: posting failed (state ERR)")
 
     def _release(self, handle: Any) -> bool:
         try:

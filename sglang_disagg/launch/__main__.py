@@ -82,6 +82,11 @@ def serve(stack: Stack) -> int:
             return 1
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    """SIGTERM takes the same clean path as Ctrl-C: every child is stopped."""
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg, do_smoke = parse(sys.argv[1:] if argv is None else argv)
@@ -89,8 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    # Ctrl-C and SIGTERM both take the clean path that stops every child.
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         say(f"starting {cfg.role.value} with model {stack.model_path or '-'}, backend {cfg.backend.value}; "
             f"logs in {stack.log_dir}")

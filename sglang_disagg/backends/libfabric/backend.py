@@ -165,8 +165,11 @@ class LibfabricBackend(TransferBackend):
     def _native_post(self, peer: Peer, batch_id: int, writes: Sequence[PageWrite], imm: int) -> None:
         if self._poisoned:
             raise TransferError(self._poisoned)
+        fi_addr = peer.native  # None once the peer is dropped; the shim refuses dead ones too
+        if fi_addr is None:
+            raise PeerLostError(f"peer {peer.address} is {peer.state.value}")
         arrays, err = self._arrays(writes), _Errbuf()
-        if lib.shim_post(self._ep, batch_id, peer.native, len(writes), *arrays, imm, err.buf, 256):
+        if lib.shim_post(self._ep, batch_id, fi_addr, len(writes), *arrays, imm, err.buf, 256):
             if peer.state is not PeerState.CONNECTED:
                 raise PeerLostError(f"libfabric post to {peer.address}: {err}")
             raise TransferError(f"libfabric post: {err}")

@@ -62,7 +62,13 @@ struct shim_ep {
     struct shim_op recv_ops[N_RECV];
     char async_msg[192]; int async_status;
     int64_t last_activity;           /* ns; last post or completion, drives idle back-off */
+    uint64_t *dead; size_t n_dead, cap_dead;  /* abandoned peers: posts to them are refused */
 };
+
+static int is_dead(shim_ep *e, uint64_t peer) {
+    for (size_t i = 0; i < e->n_dead; i++) if (e->dead[i] == peer) return 1;
+    return 0;
+}
 
 static void set_err(char *err, size_t len, const char *what, int ret) {
     if (err && len) snprintf(err, len, "%s: %s (%d)", what, fi_strerror(ret < 0 ? -ret : ret), ret);
@@ -250,6 +256,9 @@ int shim_av_insert(shim_ep *e, const void *addr, uint64_t *fi_addr, char *err, s
     fi_addr_t a = FI_ADDR_NOTAVAIL;
     pthread_mutex_lock(&e->lock);
     int ret = fi_av_insert(e->av, addr, 1, &a, 0, NULL);
+    if (ret == 1)  /* an AV slot freed by fi_av_remove may come back for a new peer */
+        for (size_t i = 0; i < e->n_dead; i++)
+            if (e->dead[i] == a) e->dead[i] = e->dead[--e->n_dead];
     pthread_mutex_unlock(&e->lock);
     if (ret != 1) {
         set_err(err, errlen, "fi_av_insert", ret < 0 ? ret : -FI_EADDRNOTAVAIL);
@@ -368,6 +377,12 @@ int shim_post(shim_ep *e, uint64_t batch_id, uint64_t peer, size_t n,
     struct shim_batch *b = new_batch(batch_id, peer, n);
     if (!b) { set_err(err, errlen, "alloc", -FI_ENOMEM); return -FI_ENOMEM; }
     pthread_mutex_lock(&e->lock);
+    if (is_dead(e, peer)) {  /* lost between Python's check and here: post nothing */
+        pthread_mutex_unlock(&e->lock);
+        free(b);
+        set_err(err, errlen, "shim_post: peer was lost", -FI_ECONNRESET);
+        return -FI_ECONNRESET;
+    }
     int ret = n ? post_locked(e, b, n, mr, src_off, raddr, rkey, len, imm, err, errlen) : 0;
     if (n == 0) { b->next = e->done_head; e->done_head = b; }
     pthread_mutex_unlock(&e->lock);
@@ -417,6 +432,14 @@ int shim_poll(shim_ep *e, shim_event *ev, int cap, int timeout_us) {
 int shim_abandon_peer(shim_ep *e, uint64_t peer) {
     int k = 0;
     pthread_mutex_lock(&e->lock);
+    if (!is_dead(e, peer)) {
+        if (e->n_dead == e->cap_dead) {
+            size_t cap = e->cap_dead ? 2 * e->cap_dead : 16;
+            uint64_t *p = realloc(e->dead, cap * sizeof *p);
+            if (p) { e->dead = p; e->cap_dead = cap; }
+        }
+        if (e->n_dead < e->cap_dead) e->dead[e->n_dead++] = peer;
+    }
     for (struct shim_batch *b = e->live.next; b != &e->live; b = b->next)
         if (b->peer == peer && !b->abandoned) { b->abandoned = 1; k++; }
     pthread_mutex_unlock(&e->lock);
@@ -472,7 +495,7 @@ void shim_close(shim_ep *e) {
     while (e->live.next != &e->live) { struct shim_batch *b = e->live.next; list_del(b); free(b); }
     while (e->done_head) { struct shim_batch *b = e->done_head; e->done_head = b->next; free(b); }
     pthread_mutex_unlock(&e->lock);
-    free(e->mrs); free(e->imms);
+    free(e->mrs); free(e->imms); free(e->dead);
     pthread_mutex_destroy(&e->lock);
     free(e);
 }
