@@ -58,8 +58,14 @@ class Bench:
         per_req_bytes = sum(n for b in plan for *_, n in b)
         per_req_writes = sum(len(b) for b in plan)
 
+        # Equal-length batches (pages, HND slices) go through write_uniform, the API the KV
+        # messenger uses; ragged ones through write().
+        uniform = [([s for _, s, _, _, _ in b], [d for _, _, _, d, _ in b], b[0][4])
+                   if len({w[4] for w in b}) == 1 else None for b in plan]
+
         def python_request(tag: int) -> None:
-            futs = [self.be.write(self.peer, b, tag) for b in plan]
+            futs = [self.be.write_uniform(self.peer, src, u[0], remote, u[1], u[2], tag) if u else
+                    self.be.write(self.peer, b, tag) for b, u in zip(plan, uniform)]
             for f in futs:
                 f.wait(120)
 

@@ -38,6 +38,28 @@ def test_scattered_pages_byte_exact(pair: Pair, page: int, n: int) -> None:
     assert digests == _expected(pair, writes)
 
 
+def test_uniform_fast_path_byte_exact(pair: Pair) -> None:
+    page, n = 65536, 100
+    writes = _permuted_pages(page, n, random.Random(11))
+    pair.tx.call("write_uniform", peer=pair.tx_peer, region=pair.src, remote=pair.remote, imm=55, length=page,
+                 src_offsets=[w[0] for w in writes], dst_offsets=[w[1] for w in writes])
+    pair.rx.call("expect", rpc_timeout=25, tag=55, count=n, timeout=20.0)
+    digests = pair.rx.call("digest", region=pair.dst, ranges=[[d, ln] for _, d, ln in writes])["sha"]
+    assert digests == _expected(pair, writes)
+
+
+@pytest.mark.parametrize("src,dst,length", [([0, 4096], [0, 16 << 20], 4096), ([0, -4096], [0, 4096], 4096),
+                                            ([0], [0, 4096], 4096), ([0], [0], 0), ([0.0], [0], 4096)],
+                         ids=["dst-oob", "negative", "ragged", "zero-length", "float"])
+def test_uniform_fast_path_rejects_bad_offsets(pair: Pair, src: list, dst: list, length: int) -> None:
+    before = pair.tx.call("stats")
+    err = pair.tx.error("write_uniform", peer=pair.tx_peer, region=pair.src, remote=pair.remote, imm=4243,
+                        length=length, src_offsets=src, dst_offsets=dst)
+    assert err.type == "DescriptorError", err
+    assert pair.tx.call("stats") == before
+    assert pair.rx.call("arrived", tag=4243)["count"] == 0
+
+
 def test_tags_interleaved(pair: Pair) -> None:
     page, tags, per = 16384, [7, 8, 9], 4
     rng = random.Random(5)

@@ -81,6 +81,12 @@ class Worker:
         fut.wait(wait)
         return {}
 
+    def write_uniform(self, peer: str, region: int, remote: int, src_offsets: list, dst_offsets: list,
+                      length: int, imm: int, wait: float = 10.0) -> dict:
+        self.be.write_uniform(self.peers[peer], self.regions[region], src_offsets, self.remotes[remote],
+                              dst_offsets, length, imm).wait(wait)
+        return {}
+
     def expect(self, tag: int, count: int, timeout: float, peer: str | None = None, wait: bool = True) -> dict:
         t0 = time.monotonic()
         fut = self.be.expect(tag, count, timeout, self.peers[peer] if peer else None)

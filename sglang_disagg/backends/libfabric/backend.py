@@ -17,7 +17,7 @@ from typing import Any
 from ..base import TransferBackend
 from ..errors import BackendUnavailable, PeerLostError, TransferError
 from ..peer import Peer
-from ..regions import NativeRegistration, PageWrite, PeerState
+from ..regions import MemoryRegion, NativeRegistration, PageWrite, PeerState, RemoteRegion
 
 PROVIDERS = {"shm": "shm", "tcp": "tcp;ofi_rxm", "net": "net", "efa": "efa", "verbs": "verbs;ofi_rxm",
              "sockets": "sockets"}
@@ -163,16 +163,27 @@ class LibfabricBackend(TransferBackend):
         return mr, src, raddr, rkey, ln
 
     def _native_post(self, peer: Peer, batch_id: int, writes: Sequence[PageWrite], imm: int) -> None:
+        self._post_arrays(peer, batch_id, len(writes), self._arrays(writes), imm)
+
+    def _post_arrays(self, peer: Peer, batch_id: int, n: int, arrays: tuple, imm: int) -> None:
         if self._poisoned:
             raise TransferError(self._poisoned)
         fi_addr = peer.native  # None once the peer is dropped; the shim refuses dead ones too
         if fi_addr is None:
             raise PeerLostError(f"peer {peer.address} is {peer.state.value}")
-        arrays, err = self._arrays(writes), _Errbuf()
-        if lib.shim_post(self._ep, batch_id, fi_addr, len(writes), *arrays, imm, err.buf, 256):
+        err = _Errbuf()
+        if lib.shim_post(self._ep, batch_id, fi_addr, n, *arrays, imm, err.buf, 256):
             if peer.state is not PeerState.CONNECTED:
                 raise PeerLostError(f"libfabric post to {peer.address}: {err}")
             raise TransferError(f"libfabric post: {err}")
+
+    def _native_post_uniform(self, peer: Peer, batch_id: int, src: MemoryRegion, src_offsets: Sequence[int],
+                             dst: RemoteRegion, dst_offsets: Sequence[int], length: int, imm: int) -> None:
+        n, d = len(src_offsets), dst.descriptor
+        arrays = (ffi.new("uint64_t[]", [self._regions[src.id][1].handle] * n), ffi.new("uint64_t[]", src_offsets),
+                  ffi.new("uint64_t[]", [d.base + o for o in dst_offsets] if d.base else dst_offsets),
+                  ffi.new("uint64_t[]", [d.key] * n), ffi.new("uint64_t[]", [length] * n))
+        self._post_arrays(peer, batch_id, n, arrays, imm)
 
     def raw_c_loop(self, peer: Peer, writes: Sequence[PageWrite], imm: int, iters: int) -> tuple[int, list[int]]:
         """Benchmark hook: post+poll `iters` batches entirely in C. Returns (total ns, per-batch ns)."""
