@@ -135,10 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backends", help="comma list of backend[:provider], e.g. libfabric:shm,nixl")
     ap.add_argument("--workloads", help="comma list of workload names (see transfer_workloads.py)")
     ap.add_argument("--budget", type=float, help="seconds per (target, workload)")
+    ap.add_argument("--request-mib", type=int, help="bytes per request of the page-* workloads (MiB)")
     ap.add_argument("--limits-mib", type=int, help="bytes moved by the memcpy / TCP limit probes (MiB)")
     args = ap.parse_args(argv)
     args.budget = args.budget or (0.3 if args.quick else 2.0)
-    wls = workloads(args.quick)
+    wls = workloads(args.quick, args.request_mib)
     if args.workloads:
         keep = set(args.workloads.split(","))
         wls = [w for w in wls if w.name in keep]

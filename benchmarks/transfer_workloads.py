@@ -41,8 +41,8 @@ def page(size: int, total: int) -> Workload:
     return Workload(f"page-{label}", "page", size, max(1, total // size))
 
 
-def workloads(quick: bool) -> list[Workload]:
-    total = (16 if quick else 64) << 20
+def workloads(quick: bool, request_mib: int | None = None) -> list[Workload]:
+    total = (request_mib or (16 if quick else 64)) << 20
     out = [page(s, total) for s in ((16 << 10, 256 << 10, 1 << 20) if quick else
                                     (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20))]
     layers, tokens = (4, 512) if quick else (32, 1024)
