@@ -8,7 +8,7 @@ import random
 import time
 
 import pytest
-from conftest import Pair, Proc, WorkerError, case_params
+from transfer_harness import Pair, Proc, WorkerError, case_params
 from transfer_worker import pattern
 
 pytestmark = pytest.mark.backend
