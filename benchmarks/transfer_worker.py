@@ -7,7 +7,6 @@ Leaves by os._exit: NIXL crashes at interpreter exit.
 from __future__ import annotations
 
 import ctypes
-import json
 import mmap
 import os
 import sys
@@ -17,6 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from transfer_workloads import Workload, batches  # noqa: E402
 
 from sglang_disagg.backends import BackendConfig, create_backend  # noqa: E402
+from sglang_disagg.backends.jsonl_worker import serve  # noqa: E402
 
 
 class Bench:
@@ -95,22 +95,7 @@ class Bench:
 
 
 def main() -> None:
-    # Native libraries (UCX, glog) may print to fd 1: keep it for them, reply on a private copy.
-    out = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-    b = Bench()
-    for line in sys.stdin:
-        req = json.loads(line)
-        op = req.pop("op")
-        if op == "exit":
-            break
-        try:
-            reply = {"ok": True, **getattr(b, op)(**req)}
-        except Exception as e:  # noqa: BLE001 - reported to the driver
-            reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-        out.write(json.dumps(reply) + "\n")
-        out.flush()
-    os._exit(0)
+    serve(Bench(), lambda e: {"error": f"{type(e).__name__}: {e}"})
 
 
 if __name__ == "__main__":

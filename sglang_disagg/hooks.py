@@ -8,6 +8,7 @@ whether it has anything to do).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 _DEVICE_MEM = "VRAM"
@@ -60,8 +61,6 @@ FAULT_ENV = "SGLANG_DISAGG_FAULT"
 
 def after_kv_received(scheduler: Any, req: Any) -> None:
     """Decode side: the transfer of ``req``'s prompt KV has completed."""
-    import os
-
     if os.environ.get(FAULT_ENV, "") != "drop_kv":
         return
     kv = scheduler.token_to_kv_pool_allocator.get_kvcache()

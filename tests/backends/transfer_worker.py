@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import json
 import mmap
 import os
 import random
-import sys
 import threading
 import time
 import traceback
 
 from sglang_disagg.backends import BackendConfig, TransferError, create_backend
+from sglang_disagg.backends.jsonl_worker import serve
 
 
 def pattern(seed: int, size: int) -> bytes:
@@ -164,23 +163,7 @@ class Worker:
 
 
 def main() -> None:
-    # Native libraries (UCX, glog) may print to fd 1: keep it for them, reply on a private copy.
-    out = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-    w = Worker()
-    for line in sys.stdin:
-        req = json.loads(line)
-        op = req.pop("op")
-        if op == "exit":
-            break
-        try:
-            reply = {"ok": True, **getattr(w, op)(**req)}
-        except Exception as e:  # noqa: BLE001 - reported to the test, which decides
-            reply = {"ok": False, "type": type(e).__name__, "msg": str(e), "tb": traceback.format_exc()}
-        out.write(json.dumps(reply) + "\n")
-        out.flush()
-    out.flush()
-    os._exit(0)
+    serve(Worker(), lambda e: {"type": type(e).__name__, "msg": str(e), "tb": traceback.format_exc()})
 
 
 if __name__ == "__main__":
