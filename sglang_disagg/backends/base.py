@@ -35,7 +35,7 @@ import queue
 import threading
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any, ClassVar
 
 from . import control
@@ -82,7 +82,12 @@ class TransferBackend(PeerManager, ABC):
         except BaseException:
             self._tracker.close("open failed")
             raise
-        self._server = control.ControlServer(self.config.host, self._on_accept)
+        try:
+            self._server = control.ControlServer(self.config.host, self._on_accept, self.config.port)
+        except BaseException:
+            self._tracker.close("open failed")
+            self._native_close()
+            raise
 
     # ----- hooks for concrete backends -------------------------------------------------
     def _provider_label(self) -> str:
@@ -217,16 +222,29 @@ class TransferBackend(PeerManager, ABC):
         else:
             entry[1].set_exception((PeerLostError if lost else TransferError)(error))
 
-    def expect(self, tag: int, count: int, timeout_s: float, peer: Peer | None = None) -> TransferFuture:
+    def expect(self, tag: int, count: int, timeout_s: float,
+               peer: Peer | Collection[str] | None = None) -> TransferFuture:
+        """`peer`: the Peer, or the instance ids of the peers, whose loss fails this
+        expectation (None: any peer's). Ids of peers not connected yet are allowed:
+        a writer may connect after the expectation is set."""
         self._check_open()
-        if peer is not None and peer.state is not PeerState.CONNECTED:
-            fut = TransferFuture()
-            fut.set_exception(PeerLostError(f"peer {peer.address} is {peer.state.value}"))
-            return fut
-        return self._tracker.expect(tag, count, timeout_s, peer.id if peer else None)
+        if isinstance(peer, Peer):
+            if peer.state is not PeerState.CONNECTED:
+                fut = TransferFuture()
+                fut.set_exception(PeerLostError(f"peer {peer.address} is {peer.state.value}"))
+                return fut
+            peer = peer.id
+        return self._tracker.expect(tag, count, timeout_s, peer)
 
     def forget(self, tag: int) -> None:
         self._tracker.forget(tag)
+
+    def retire(self, tag: int, reason: str = "cancelled") -> None:
+        """Stop counting `tag`: its pending expectation fails, late writes are discarded."""
+        self._tracker.retire(tag, reason)
+
+    def is_retired(self, tag: int) -> bool:
+        return self._tracker.is_retired(tag)
 
     # ----- messages, stats, close ------------------------------------------------------
     def recv(self, timeout_s: float) -> tuple[Peer, bytes]:
@@ -238,7 +256,8 @@ class TransferBackend(PeerManager, ABC):
     def stats(self) -> dict[str, int]:
         with self._lock:
             base = {"peers": len(self._peers), "batches": len(self._batches), "regions": len(self._regions)}
-        return base | {"expectations": self._tracker.pending()} | self._native_stats()
+        return base | {"expectations": self._tracker.pending(),
+                       "late_writes_dropped": self._tracker.late_writes_dropped} | self._native_stats()
 
     def close(self) -> None:
         if self._closed:

@@ -113,8 +113,11 @@ class ControlConn:
 class ControlServer:
     """Accepts incoming control connections and hands each socket to `on_accept`."""
 
-    def __init__(self, host: str, on_accept: Callable[[socket.socket], None]) -> None:
-        self._sock = socket.create_server((host, 0))
+    def __init__(self, host: str, on_accept: Callable[[socket.socket], None], port: int = 0) -> None:
+        try:
+            self._sock = socket.create_server((host, port))
+        except OSError as e:
+            raise TransferError(f"cannot listen on {host}:{port}: {e}") from e
         self.address = f"{host}:{self._sock.getsockname()[1]}"
         self._on_accept = on_accept
         self._thread = threading.Thread(target=self._loop, name="control-accept", daemon=True)

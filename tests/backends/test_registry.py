@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from sglang_disagg import backends
-from sglang_disagg.backends import (BackendUnavailable, DeadlineExceeded, PeerLostError, UnknownBackendError,
+from sglang_disagg.backends import (BackendUnavailable, DeadlineExceeded, DescriptorError, PeerLostError,
+                                    TransferError, UnknownBackendError,
                                     get_backend, list_backends, register_backend)
 from sglang_disagg.backends.expect import ExpectTracker
 from sglang_disagg.backends.mooncake import split
@@ -94,6 +95,33 @@ def test_tracker_fires_once_and_credits_early_arrivals() -> None:
         with pytest.raises(PeerLostError):
             fut.wait(1.0)
         assert time.monotonic() - t0 < 0.5 and not other.done()
+    finally:
+        t.close()
+
+
+def test_late_writes_of_a_failed_tag_never_count_again() -> None:
+    """The tag-reuse hole: writes that land after their request failed (deadline, peer
+    loss, cancel) are discarded, and the tag cannot be expected again."""
+    t = ExpectTracker()
+    try:
+        fut = t.expect(11, 4, 0.05, peer="p1")
+        t.add(11, 2)
+        with pytest.raises(DeadlineExceeded, match="2 of 4"):
+            fut.wait(2.0)
+        t.add(11, 2)                      # the late half of the failed request
+        assert t.arrived(11) == 0 and t.late_writes_dropped == 2 and t.is_retired(11)
+        with pytest.raises(DescriptorError, match="retired"):
+            t.expect(11, 2, 1.0)
+        fut = t.expect(12, 1, 10.0, peer={"p2", "p3"})
+        t.peer_lost("p3", "test")         # any of the writing peers
+        with pytest.raises(PeerLostError):
+            fut.wait(1.0)
+        fut = t.expect(13, 1, 10.0)
+        t.retire(13, "client aborted")
+        with pytest.raises(TransferError, match="client aborted"):
+            fut.wait(1.0)
+        t.add(13)
+        assert t.arrived(13) == 0 and t.pending() == 0
     finally:
         t.close()
 
