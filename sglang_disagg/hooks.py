@@ -8,8 +8,11 @@ whether it has anything to do).
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
+
+logger = logging.getLogger("sglang_disagg.hooks")
 
 _DEVICE_MEM = "VRAM"
 _HOST_MEM = "DRAM"
@@ -68,3 +71,110 @@ def after_kv_received(scheduler: Any, req: Any) -> None:
     for layer in range(kv.start_layer, kv.start_layer + kv.layer_num):
         kv.get_key_buffer(layer)[locs] = 0
         kv.get_value_buffer(layer)[locs] = 0
+
+
+# --- The messenger mode ----------------------------------------------------------------
+# Active only when the launcher put a MessengerConfig in the environment
+# (SGLANG_DISAGG_MESSENGER); otherwise every hook below returns at once and SGLang runs
+# unchanged. One messenger per scheduler process (TP rank).
+_messenger: Any = None
+_waiter: Any = None
+
+
+def messenger() -> Any:
+    return _messenger
+
+
+def scheduler_ready(scheduler: Any) -> None:
+    """End of Scheduler.__init__ (every TP rank): start the messenger for this role."""
+    global _messenger, _waiter
+    from sglang_disagg.messenger.config import MessengerConfig, MessengerRole
+
+    cfg = MessengerConfig.from_env()
+    if cfg is None:
+        return
+    from sglang.utils import TypeBasedDispatcher
+
+    from sglang_disagg.messenger.inputs import MessengerInput
+
+    if cfg.role is MessengerRole.PREFILL:
+        from sglang_disagg.messenger.prefill import PrefillMessenger as cls
+    else:
+        from sglang_disagg.messenger.decode import DecodeMessenger as cls
+    _messenger = cls(cfg, scheduler)
+    # Leader decisions arrive on every rank through SGLang's request broadcast.
+    scheduler._request_dispatcher += TypeBasedDispatcher([(MessengerInput, _messenger.apply)])
+    if _messenger.ranks.is_leader:
+        import zmq
+
+        fd = _messenger.node.wakeup.fd
+        if scheduler.idle_sleeper is not None:  # --sleep-on-idle: wake on messenger events too
+            scheduler.idle_sleeper.poller.register(fd, zmq.POLLIN)
+        _waiter = zmq.Poller()
+        for sock in (scheduler.ipc_channels.recv_from_tokenizer, scheduler.ipc_channels.recv_from_rpc):
+            if sock is not None:
+                _waiter.register(sock, zmq.POLLIN)
+        _waiter.register(fd, zmq.POLLIN)
+
+
+def leader_inputs(scheduler: Any) -> list:
+    """TP rank 0, before SGLang broadcasts this iteration's requests: the messenger's
+    decisions, so that every rank applies them in the same iteration."""
+    return _messenger.leader_inputs() if _messenger is not None else []
+
+
+def after_inputs(scheduler: Any) -> None:
+    """Every rank, once per scheduler iteration, after the requests were dispatched."""
+    if _messenger is not None:
+        _messenger.step()
+
+
+def take_request(scheduler: Any, req: Any) -> bool:
+    """A new request about to enter the waiting queue; True if the messenger took it."""
+    if _messenger is None:
+        return False
+    from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
+
+    if req.rid.startswith(HEALTH_CHECK_RID_PREFIX):  # probes check this server, not its peers
+        return False
+    return _messenger.take(req)
+
+
+def prefix_tree(req: Any, tree_cache: Any) -> Any:
+    """What a waiting request matches its prefix against: None when it already holds the
+    KV of its prompt (a decoder's request whose KV came from a prefill server)."""
+    if _messenger is None:
+        return tree_cache
+    return _messenger.prefix_tree(req, tree_cache)
+
+
+def abort(scheduler: Any, recv_req: Any) -> None:
+    if _messenger is not None:
+        _messenger.abort(recv_req)
+
+
+def is_idle(scheduler: Any) -> bool:
+    return _messenger is None or _messenger.idle()
+
+
+def wait_while_busy(scheduler: Any) -> None:
+    """No batch to run but requests in flight: sleep until the messenger or a new request
+    needs the scheduler (never spin: on a small machine that starves the peer server)."""
+    if _messenger is None or _waiter is None or _messenger.has_leader_work():
+        return
+    _waiter.poll(50 if _messenger.ranks.size == 1 else 2)
+
+
+def after_forward(scheduler: Any, batch: Any) -> None:
+    """A forward finished (before its results are processed): prefill writes the KV pages
+    it completed."""
+    if _messenger is not None and batch.forward_mode.is_extend():
+        _messenger.after_forward(batch)
+
+
+def hold_release(req: Any, checkpoint: bool) -> bool:
+    """release_kv_cache is about to free `req`'s pages: True keeps them (the prefill
+    messenger still has writes from them in flight and releases later)."""
+    if _messenger is None:
+        return False
+    return _messenger.hold_release(req, checkpoint)

@@ -1,0 +1,28 @@
+"""The KV messenger: sglang_disagg's disaggregated serving path (``--mode messenger``).
+
+A decoder receives the request, allocates non-evictable pages for the prompt minus its last
+token and asks a prefill server (fewest outstanding requests) to fill them. The prefill
+server computes the prompt in its own batch scheduler (chunked prefill, radix cache) with
+max_new_tokens=0, so it never samples, and writes each chunk's pages into the decoder's
+pages with the request's 32-bit immediate as soon as the chunk's forward ends. The decoder
+counts those writes (it knows how many from the planner) - there is no "done" message -
+and then runs the last prompt token as an ordinary one-token extend, which samples the
+first output token with the decoder's grammar, if any.
+
+Module map:
+- ``planner``   pure: (TP pair, heads, page geometry, layout) + page ids -> writes, counts
+- ``wire``      versioned messages between a decoder's and a prefill server's messenger
+- ``config``    MessengerConfig, the launcher -> server contract (env SGLANG_DISAGG_MESSENGER)
+- ``compat``    what first contact compares (model fingerprint, KV geometry, layout)
+- ``kvpool``    binding: one rank's SGLang KV pool as registered (layer, K|V) regions
+- ``node``      one rank's endpoint: backend, regions, rank group, control reader, stats
+- ``ranks``     keeping TP ranks in lockstep (agree() all-reduce; leader inputs)
+- ``inputs``    leader decisions carried by SGLang's request broadcast
+- ``links``     a decoder's links to prefill servers (first contact, health, load)
+- ``decode`` / ``prefill``  the two sides; each module docstring states its
+  scheduler-side / worker-side contract
+- ``faults``    test-only partial-loss injection for negative controls
+- ``requests``  the short list of SGLang Req/scheduler internals the messenger touches
+
+SGLang reaches all of this through ``sglang_disagg.hooks`` (see patches/README.md).
+"""

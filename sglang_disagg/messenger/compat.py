@@ -1,0 +1,43 @@
+"""First-contact compatibility: what must match between a decoder and a prefill server."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import fields
+from pathlib import Path
+
+from .wire import KVSpec
+
+# Fields that may differ: TP is what the planner reconciles; the name is informational
+# (the fingerprint decides whether two servers run the same model).
+_MAY_DIFFER = {"tp", "model"}
+
+
+def differences(decoder: KVSpec, prefill: KVSpec) -> list[str]:
+    """Human-readable mismatches, empty when the pair can work together."""
+    out = []
+    for f in fields(KVSpec):
+        if f.name in _MAY_DIFFER:
+            continue
+        a, b = getattr(decoder, f.name), getattr(prefill, f.name)
+        if a != b:
+            if f.name == "fingerprint":
+                out.append(f"model differs (decoder: {decoder.model} [{a}], prefill: {prefill.model} [{b}])")
+            else:
+                out.append(f"{f.name} differs (decoder: {a}, prefill: {b})")
+    return out
+
+
+def fingerprint(model_path: str) -> str:
+    """Digest of the model's config and its weight files' names and sizes: cheap to
+    compute on every start, and different whenever two directories hold different models
+    (hashing the weights themselves would cost minutes on real models)."""
+    root = Path(model_path)
+    h = hashlib.sha256()
+    config = root / "config.json"
+    if config.is_file():
+        h.update(json.dumps(json.loads(config.read_text()), sort_keys=True).encode())
+    for p in sorted(root.glob("*.safetensors")) + sorted(root.glob("*.bin")):
+        h.update(f"{p.name}:{p.stat().st_size}\n".encode())
+    return h.hexdigest()[:16]

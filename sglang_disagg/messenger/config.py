@@ -1,0 +1,101 @@
+"""The messenger's configuration: what the launcher hands to each SGLang server.
+
+One JSON object in the environment variable ``SGLANG_DISAGG_MESSENGER`` (set by
+``python -m sglang_disagg.launch --mode messenger``; absent = SGLang runs unchanged).
+Validated here, with errors that name the field.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+from dataclasses import asdict, dataclass, fields
+
+ENV = "SGLANG_DISAGG_MESSENGER"
+
+
+class MessengerRole(str, enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _address(value: str, field: str) -> str:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{field}: {value!r} is not host:port")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class MessengerConfig:
+    """`port`: where a prefill server's messenger listens (decoders connect there; 0 on a
+    decoder). `prefill`: the prefill messengers a decoder may use, as host:port.
+    `transfer_timeout_s`: how long a decoder waits for a request's KV before failing it.
+    `stats_file`: where the leader publishes its counters as JSON ("" = nowhere)."""
+
+    role: MessengerRole
+    backend: str
+    provider: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 0
+    prefill: tuple[str, ...] = ()
+    name: str = ""
+    transfer_timeout_s: float = 60.0
+    connect_timeout_s: float = 5.0
+    stats_file: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.role, MessengerRole):
+            try:
+                object.__setattr__(self, "role", MessengerRole(self.role))
+            except ValueError:
+                raise ConfigError(f"role: {self.role!r} is not one of "
+                                  f"{', '.join(r.value for r in MessengerRole)}") from None
+        if not isinstance(self.backend, str) or not self.backend:
+            raise ConfigError("backend: a transfer backend name is required (libfabric, nixl, mooncake)")
+        if not isinstance(self.port, int) or not 0 <= self.port < 65536:
+            raise ConfigError(f"port: {self.port!r} is not a port number")
+        object.__setattr__(self, "prefill", tuple(self.prefill))
+        for i, addr in enumerate(self.prefill):
+            _address(addr, f"prefill[{i}]")
+        if self.role is MessengerRole.DECODE and not self.prefill:
+            raise ConfigError("prefill: a decoder needs at least one prefill messenger address (host:port)")
+        if self.role is MessengerRole.PREFILL and not self.port:
+            raise ConfigError("port: a prefill server's messenger needs a fixed port for decoders to reach")
+        for name in ("transfer_timeout_s", "connect_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigError(f"{name}: must be a positive number of seconds, got {value!r}")
+
+    def to_env(self) -> str:
+        d = asdict(self)
+        d["role"] = self.role.value
+        d["prefill"] = list(self.prefill)
+        return json.dumps(d, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> MessengerConfig:
+        try:
+            obj = json.loads(text)
+        except ValueError as e:
+            raise ConfigError(f"{ENV} is not valid JSON: {e}") from None
+        if not isinstance(obj, dict):
+            raise ConfigError(f"{ENV} must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(obj) - known)
+        if unknown:
+            raise ConfigError(f"{ENV}: unknown field(s) {unknown}; known: {sorted(known)}")
+        try:
+            return cls(**obj)
+        except TypeError as e:
+            raise ConfigError(f"{ENV}: {e}") from None
+
+    @classmethod
+    def from_env(cls) -> MessengerConfig | None:
+        text = os.environ.get(ENV)
+        return cls.from_json(text) if text else None

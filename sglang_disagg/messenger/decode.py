@@ -1,0 +1,370 @@
+"""Decode side: a request's prompt KV is computed by a prefill server and lands in pages
+this decoder allocated; the request then runs its last prompt token as an ordinary
+one-token extend (which samples the first output token, grammar included).
+
+Scheduler-side contract (hooks.py calls these on every TP rank, in the scheduler thread):
+  take(req)            a new request; True when the messenger owns it from now on
+  apply(Route)         a leader decision, arriving through SGLang's request broadcast
+  leader_inputs()      (leader) decisions to inject into the next broadcast
+  step()               once per iteration: admit, agree with the other ranks, hand off, free
+  abort(recv_req)      a client abort, for requests the messenger holds
+  prefix_tree(req, t)  the tree to match a waiting request against (None: KV already held)
+Worker side (backend threads): an expectation completing sets the entry's `landed` or
+`failed` flag and wakes the scheduler; nothing else runs off the scheduler thread.
+
+Lifecycle: MEMORY (pages allocated on every rank alike) -> ROUTE (the leader picks a
+prefill server and a fresh tag) -> TRANSFER (each rank expects the planner's number of
+writes with that tag) -> handed to SGLang's waiting queue once every rank saw its writes.
+A failure moves the request to RELEASE: the client gets the error at once, the tag is
+retired (late writes are discarded) and the pages stay held until no write can land any
+more (the prefill server confirmed the cancel, or it is gone).
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import itertools
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import wire
+from .config import MessengerConfig
+from .faults import Fault
+from .inputs import Route
+from .kvpool import page_ids
+from .links import Links
+from .node import Node
+from .planner import ShardPlan, pages_for
+from .requests import HANDOFF_ATTR, abort_matches, fail_request, release
+
+logger = logging.getLogger("sglang_disagg.messenger")
+
+CANCEL_TIMEOUT_S = 5.0
+TRACE = os.environ.get("SGLANG_DISAGG_TRACE") == "1"  # one timing line per request, for profiling
+_FREE, _QUARANTINE = 1, 2
+
+
+class Phase(enum.Enum):
+    MEMORY = "waiting for KV pages"
+    ROUTE = "waiting for a prefill server"
+    TRANSFER = "waiting for its KV writes"
+    RELEASE = "failed; pages held until no write can land"
+
+
+@dataclass(slots=True, eq=False)
+class Entry:
+    seq: int
+    req: Any
+    n_tokens: int                 # prompt tokens whose KV comes from prefill (all but the last)
+    phase: Phase
+    since: float
+    pages: tuple[int, ...] = ()
+    tag: int = -1
+    link: str = ""
+    expected: int = 0             # writes this rank counts
+    writes: int = 0               # writes the whole request takes (all ranks)
+    routed: bool = False          # leader: a Route for it is on its way
+    landed: bool = False          # this rank: every expected write arrived
+    failed: str = ""              # this rank: why it failed
+    release: int = 0              # leader: _FREE / _QUARANTINE once decided
+    cancel_sent: float = 0.0
+    times: dict = field(default_factory=dict)  # monotonic timestamps of the lifecycle
+
+
+class DecodeMessenger:
+    def __init__(self, cfg: MessengerConfig, scheduler: Any) -> None:
+        self.cfg, self.sched = cfg, scheduler
+        self.node = Node(cfg, scheduler)
+        self.ranks, self.backend = self.node.ranks, self.node.backend
+        self.fault = Fault.from_env()
+        self.entries: dict[int, Entry] = {}
+        self._seq = itertools.count()
+        self._tags = itertools.count(1)
+        self.stats = {"requests_carried": 0, "requests_local": 0, "requests_failed": 0, "writes_received": 0,
+                      "pages_quarantined": 0}
+        self.links: Links | None = None
+        self._inbox: collections.deque[tuple[Any, wire.Message]] = collections.deque()
+        if self.ranks.is_leader:
+            hello = wire.Hello(decoder=self.node.name, backend=self.backend.name, provider=self.backend.provider,
+                               kv=self.node.spec, ranks=self.node.endpoints)
+            self.links = Links(self.node, hello, cfg.prefill, cfg.connect_timeout_s)
+            self.node.start_reader(self._on_message)
+
+    # ----- intake -------------------------------------------------------------------
+    def take(self, req: Any) -> bool:
+        n = len(req.origin_input_ids) - 1
+        local_reason = self._runs_locally(req, n)
+        if local_reason:
+            self.stats["requests_local"] += 1
+            logger.debug("messenger: %s runs on the decoder (%s)", req.rid, local_reason)
+            return False
+        e = Entry(next(self._seq), req, n, Phase.MEMORY, time.monotonic())
+        e.times["take"] = e.since
+        self.entries[e.seq] = e
+        return True
+
+    @staticmethod
+    def _runs_locally(req: Any, n: int) -> str:
+        if req.finished() or req.to_finish is not None:
+            return "already finished (rejected at intake)"
+        if n < 1:
+            return "a 1-token prompt is its own first decode step"
+        if getattr(req, "multimodal_inputs", None) is not None or getattr(req, "input_embeds", None) is not None:
+            return "multimodal or embedding input"
+        if req.return_logprob and 0 <= req.logprob_start_len < n:
+            return "input logprobs need the prompt's logits"
+        if getattr(req, "session", None) is not None:
+            return "session request"
+        return ""
+
+    def _allocate(self, e: Entry) -> bool:
+        """Pages for the prompt minus its last token, the same on every rank."""
+        sched, req = self.sched, e.req
+        alloc = sched.token_to_kv_pool_allocator
+        ps = self.node.page_size
+        need = pages_for(e.n_tokens, ps) * ps
+        # Keep room for the request's own decode, so admitted requests can run.
+        reserve = min(req.sampling_params.max_new_tokens or 0, 4096) + ps
+        if sched.req_to_token_pool.available_size() < 1:
+            return False
+        if alloc.available_size() < need + reserve:
+            alloc.evict_to_free_tokens(sched.tree_cache, need + reserve)
+            if alloc.available_size() < need + reserve:
+                return False
+        slots = alloc.alloc(need)
+        if slots is None:
+            return False
+        sched.req_to_token_pool.alloc([req])
+        sched.req_to_token_pool.write((req.kv.req_pool_idx, slice(0, e.n_tokens)), slots[:e.n_tokens])
+        req.kv.kv_allocated_len = req.kv.kv_committed_len = e.n_tokens
+        e.pages = tuple(page_ids(slots.tolist(), ps))
+        return True
+
+    # ----- leader decisions ---------------------------------------------------------
+    def leader_inputs(self) -> list[Route]:
+        out = []
+        for e in self.entries.values():
+            if e.phase is not Phase.ROUTE or e.routed:
+                continue
+            link = self.links.choose()
+            if link is None:
+                if self.links.connecting() and time.monotonic() - e.since < self.cfg.connect_timeout_s:
+                    continue
+                out.append(Route(e.seq, 0, "", 0, (), error=self.links.why()))
+            else:
+                link.outstanding += 1
+                out.append(Route(e.seq, self._next_tag(), link.address, link.prefill_tp, link.instances))
+            e.routed = True
+        return out
+
+    def _next_tag(self) -> int:
+        while True:
+            tag = next(self._tags) % (1 << 32)
+            if tag and not self.backend.is_retired(tag):
+                return tag
+
+    def apply(self, route: Route) -> None:
+        e = self.entries.get(route.seq)
+        if e is None or e.phase is not Phase.ROUTE:  # aborted meanwhile
+            if self.links is not None and route.link:
+                self.links.links[route.link].outstanding -= 1
+            return
+        if route.error:
+            self._finish_failed(e, route.error)
+            return
+        plan = ShardPlan.build(self.node.view.geometry, route.prefill_tp, self.ranks.size)
+        me = self.ranks.rank
+        writers = {route.prefill_instances[p.src_rank] for p in plan.pieces if p.dst_rank == me}
+        e.tag, e.link, e.phase = route.tag, route.link, Phase.TRANSFER
+        e.times["route"] = time.monotonic()
+        e.expected = plan.expected(len(e.pages))[me]
+        e.writes = plan.total_writes(len(e.pages))
+        fut = self.backend.expect(e.tag, e.expected, self.cfg.transfer_timeout_s, writers)
+        fut.add_done_callback(lambda f, e=e: self._on_expect(e, f))
+        if self.ranks.is_leader:
+            order = wire.PrefillOrder(rid=e.req.rid, tag=e.tag, token_ids=tuple(e.req.origin_input_ids[:e.n_tokens]),
+                                      dst_pages=e.pages, start_page=0)
+            try:
+                self.links.links[e.link].send(order)
+                e.times["sent"] = time.monotonic()
+            except Exception as exc:  # noqa: BLE001 - becomes this request's failure
+                e.failed = f"could not send the prefill request to {e.link}: {exc}"
+
+    def _on_expect(self, e: Entry, fut: Any) -> None:  # backend thread
+        err = fut.exception()
+        e.times["landed"] = time.monotonic()
+        if err is None:
+            e.landed = True
+        elif not e.failed:
+            e.failed = f"KV transfer from {e.link} failed: {err}"
+        self.node.wakeup.set()
+
+    def _on_message(self, peer: Any, msg: wire.Message) -> None:  # control thread (leader)
+        if self.links.on_message(peer, msg):
+            return
+        if isinstance(msg, (wire.OrderFailed, wire.Released)):
+            self._inbox.append((peer, msg))  # applied by the scheduler thread in step()
+            self.node.wakeup.set()
+
+    def _apply_messages(self) -> None:
+        while self._inbox:
+            peer, msg = self._inbox.popleft()
+            for e in self.entries.values():
+                if e.tag == msg.tag and e.link and self.links.links[e.link].peer is peer:
+                    if isinstance(msg, wire.OrderFailed) and not e.failed:
+                        e.failed = f"prefill server {e.link} failed the request: {msg.reason}"
+                    e.release = _FREE  # the prefill server is done with this tag either way
+
+    # ----- every iteration ------------------------------------------------------------
+    def step(self) -> None:
+        self.node.wakeup.clear()
+        for e in [e for e in self.entries.values() if e.phase is Phase.MEMORY]:
+            if not self._allocate(e):
+                break  # first come, first served
+            e.phase, e.since = Phase.ROUTE, time.monotonic()
+        if self.ranks.size == 1:
+            # A single rank needs no broadcast: route now rather than one iteration later.
+            for route in self.leader_inputs():
+                self.apply(route)
+        if self.ranks.is_leader:
+            self._apply_messages()
+            self._leader_release_decisions()
+        live = [e for e in self.entries.values() if e.phase in (Phase.TRANSFER, Phase.RELEASE)]
+        flags = []
+        for e in live:
+            flags += [int(e.landed), int(bool(e.failed)), e.release if self.ranks.is_leader else 0]
+        sums = self.ranks.agree(flags)
+        for i, e in enumerate(live):
+            landed, failed, release = sums[3 * i:3 * i + 3]
+            if e.phase is Phase.TRANSFER:
+                if failed:
+                    self._fail(e, e.failed or "KV transfer failed on another TP rank")
+                elif landed == self.ranks.size:
+                    self._hand_off(e)
+            elif release:
+                self._release(e, quarantine=release == _QUARANTINE)
+        if self.ranks.is_leader:
+            self.node.stats_file.publish(self.snapshot)
+
+    def snapshot(self) -> dict:
+        phases = {p.name.lower(): 0 for p in Phase}
+        for e in self.entries.values():
+            phases[e.phase.name.lower()] += 1
+        links = {a: {"state": link.state.value, "reason": link.reason, "outstanding": link.outstanding}
+                 for a, link in self.links.links.items()} if self.links else {}
+        return self.node.describe(self.sched) | self.stats | {
+            "in_flight": phases, "links": links, "late_writes_dropped": self.backend.stats()["late_writes_dropped"]}
+
+    def _leader_release_decisions(self) -> None:
+        now = time.monotonic()
+        for e in self.entries.values():
+            if e.phase is not Phase.RELEASE or e.release:
+                continue
+            link = self.links.links.get(e.link) if e.link else None
+            if link is None or not link.alive():
+                e.release = _FREE      # a dead or never-asked prefill server writes nothing more
+            elif not e.cancel_sent:
+                e.cancel_sent = now
+                try:
+                    link.send(wire.Cancel(rid=e.req.rid, tag=e.tag))
+                except Exception:  # noqa: BLE001 - the link died: next step frees
+                    pass
+            elif now - e.cancel_sent > CANCEL_TIMEOUT_S:
+                e.release = _QUARANTINE
+
+    def _hand_off(self, e: Entry) -> None:
+        req, sched = e.req, self.sched
+        del self.entries[e.seq]
+        self._settle_link(e)
+        if self.fault is not None:
+            self.fault.apply(self.node.view, e.pages)
+        root = sched.tree_cache.root_node_handle(req.extra_key)
+        req.last_node = req.last_host_node = req.best_match_node = root
+        req.lock = None
+        req.kv.cache_protected_len = req.kv.cache_inserted_len = 0
+        req.host_hit_length = req.num_matched_prefix_tokens = 0
+        req.prefix_len = e.n_tokens
+        setattr(req, HANDOFF_ATTR, e.n_tokens)
+        sched.waiting_queue.append(req)
+        req.time_stats.set_wait_queue_entry_time()
+        req.arrival_processed_tokens = sched.processed_tokens_counter
+        self.stats["requests_carried"] += 1
+        self.stats["writes_received"] += e.writes
+        if TRACE:
+            t = e.times | {"handoff": time.monotonic()}
+            logger.info("messenger trace %s: take at %.4f (monotonic), %d tokens, %d pages, %d writes; "
+                        "ms since take: %s", req.rid[:8], e.times["take"], e.n_tokens, len(e.pages), e.expected,
+                        ", ".join(f"{k} {1000 * (v - t['take']):.1f}" for k, v in t.items()))
+
+    def _fail(self, e: Entry, reason: str) -> None:
+        self.stats["requests_failed"] += 1
+        logger.warning("messenger: request %s failed: %s", e.req.rid, reason)
+        fail_request(self.sched, e.req, reason)
+        self.backend.retire(e.tag, reason)
+        e.phase, e.failed = Phase.RELEASE, reason
+
+    def _finish_failed(self, e: Entry, reason: str) -> None:
+        """Fail a request no write was ever asked for: free its pages now."""
+        self.stats["requests_failed"] += 1
+        fail_request(self.sched, e.req, reason)
+        del self.entries[e.seq]
+        release(self.sched, e.req)
+
+    def _release(self, e: Entry, quarantine: bool) -> None:
+        del self.entries[e.seq]
+        self._settle_link(e)
+        if quarantine:
+            # The prefill server never confirmed the cancel: a write may still land in
+            # these pages, so they are never reused (counted, not freed).
+            self.stats["pages_quarantined"] += len(e.pages)
+            logger.error("messenger: %d pages of %s quarantined: %s never confirmed the cancel", len(e.pages),
+                         e.req.rid, e.link)
+            return
+        release(self.sched, e.req)
+
+    def _settle_link(self, e: Entry) -> None:
+        if self.links is not None and e.link:
+            self.links.links[e.link].outstanding -= 1
+
+    # ----- aborts, scheduling, idleness -----------------------------------------------
+    def abort(self, recv_req: Any) -> None:
+        for e in list(self.entries.values()):
+            if not abort_matches(recv_req, e.req.rid):
+                continue
+            if e.phase is Phase.TRANSFER:
+                self._fail(e, "aborted")
+            elif e.phase in (Phase.MEMORY, Phase.ROUTE):
+                self._finish_failed(e, "aborted")
+        # Handed-off requests wait in SGLang's queue holding their KV: SGLang's own abort
+        # would drop them from the queue without freeing it.
+        for req in [r for r in self.sched.waiting_queue if getattr(r, HANDOFF_ATTR, None) and r.kv.holds_kv]:
+            if abort_matches(recv_req, req.rid):
+                self.sched.waiting_queue.remove(req)
+                fail_request(self.sched, req, "aborted")
+                release(self.sched, req)
+
+    @staticmethod
+    def prefix_tree(req: Any, tree: Any) -> Any:
+        return None if getattr(req, HANDOFF_ATTR, None) and req.kv.holds_kv else tree
+
+    def after_forward(self, batch: Any) -> None:
+        """Nothing to send from a decoder."""
+
+    def hold_release(self, req: Any, checkpoint: bool) -> bool:
+        return False
+
+    def idle(self) -> bool:
+        return not self.entries
+
+    def has_leader_work(self) -> bool:
+        return any(e.phase is Phase.ROUTE and not e.routed for e in self.entries.values()) and \
+            self.links.choose() is not None
+
+    def close(self) -> None:
+        if self.links is not None:
+            self.links.close()
+        self.node.close()

@@ -1,0 +1,52 @@
+"""What the leader injects into SGLang's request broadcast so every TP rank applies the
+same messenger decision in the same scheduler iteration (see ranks.py).
+
+They reach each rank's messenger through the scheduler's request dispatcher (registered
+for ``MessengerInput`` and its subclasses), in the order the leader injected them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .wire import Hello, PrefillOrder
+
+
+@dataclass(frozen=True, slots=True)
+class MessengerInput:
+    pass
+
+
+# Prefill side ------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class DecoderJoined(MessengerInput):
+    """A decoder passed first contact: every rank learns its ranks and regions."""
+
+    key: str          # the decoder leader's backend instance id
+    hello: Hello
+
+
+@dataclass(frozen=True, slots=True)
+class OrderTicket(MessengerInput):
+    key: str
+    order: PrefillOrder
+
+
+@dataclass(frozen=True, slots=True)
+class CancelTicket(MessengerInput):
+    key: str
+    tag: int
+
+
+# Decode side -------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Route(MessengerInput):
+    """Send admitted request `seq` to prefill server `link` with immediate `tag`; or, with
+    `error`, fail it (no prefill server can take it)."""
+
+    seq: int
+    tag: int
+    link: str
+    prefill_tp: int
+    prefill_instances: tuple[str, ...]
+    error: str = ""

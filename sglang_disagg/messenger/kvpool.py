@@ -1,0 +1,91 @@
+"""Binding the planner to memory: one TP rank's SGLang KV pool as registered regions.
+
+The planner speaks bytes inside a (layer, K|V) buffer; here each of those buffers is one
+registered region, so a WriteGroup becomes one paged write between two regions. Page ids
+are SGLang's: token slot ``i`` lives in page ``i // page_size`` (the paged allocator keeps a
+request's token ``t`` at offset ``t % page_size`` of its page).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..backends import MemoryRegion, RemoteRegion
+from .planner import Kind, KVGeometry, Layout, WriteGroup
+from .wire import KVSpec
+
+if TYPE_CHECKING:
+    from ..backends.base import TransferBackend
+
+
+class LayoutError(RuntimeError):
+    """The KV pool is not something the messenger can move page-shards of."""
+
+
+def region_index(layer: int, kind: Kind) -> int:
+    return layer * 2 + int(kind)
+
+
+@dataclass(frozen=True, slots=True)
+class KVPoolView:
+    """The per-(layer, kind) buffers of one rank, in region_index order."""
+
+    geometry: KVGeometry
+    tensors: tuple[Any, ...]  # torch tensors, contiguous
+    dtype: str
+
+    @classmethod
+    def from_pool(cls, pool: Any, total_kv_heads: int) -> KVPoolView:
+        if not getattr(pool, "use_hnd", False) or not hasattr(pool, "k_buffer"):
+            raise LayoutError(f"the messenger needs an MHA KV pool in HND layout (SGLANG_USE_HND_KVCACHE=1), "
+                              f"got {type(pool).__name__} layout {getattr(pool, 'kv_cache_layout', '?')!r}")
+        if getattr(pool, "is_quantized_kv_cache", False):
+            raise LayoutError("the messenger does not move quantized KV caches yet")
+        tensors = []
+        for layer in range(pool.layer_num):
+            for buf in (pool.k_buffer[layer], pool.v_buffer[layer]):
+                if not buf.is_contiguous():
+                    raise LayoutError(f"KV buffer of layer {layer} is not contiguous")
+                tensors.append(buf)
+        k = pool.k_buffer[0]
+        geometry = KVGeometry(num_layers=pool.layer_num, kv_heads=total_kv_heads, head_dim=pool.head_dim,
+                              v_head_dim=pool.v_head_dim, page_size=pool.page_size,
+                              dtype_bytes=k.element_size(), layout=Layout.HND)
+        return cls(geometry, tuple(tensors), str(k.dtype).removeprefix("torch."))
+
+    def spec(self, model: str, fingerprint: str, tp: int) -> KVSpec:
+        g = self.geometry
+        return KVSpec(model=model, fingerprint=fingerprint, num_layers=g.num_layers, kv_heads=g.kv_heads,
+                      head_dim=g.head_dim, v_head_dim=g.v_head_dim, page_size=g.page_size, dtype=self.dtype,
+                      layout=g.layout.value, tp=tp)
+
+    def register(self, backend: TransferBackend) -> tuple[list[MemoryRegion], list[str]]:
+        regions, descriptors = [], []
+        for t in self.tensors:
+            region, desc = backend.register(t.data_ptr(), t.numel() * t.element_size())
+            regions.append(region)
+            descriptors.append(desc.decode())
+        return regions, descriptors
+
+    def zero_pages(self, pages: Sequence[int], layers: Sequence[int], kinds: Sequence[Kind] = tuple(Kind)) -> None:
+        """Fault injection for negative controls: forget part of what was received."""
+        for layer in layers:
+            for kind in kinds:
+                t = self.tensors[region_index(layer, kind)]
+                for p in pages:
+                    t[p].zero_()
+
+
+def page_ids(slots: Sequence[int], page_size: int) -> list[int]:
+    """Page of the first slot of each page-sized run of a request's slots."""
+    return [int(s) // page_size for s in slots[::page_size]]
+
+
+def post(backend: TransferBackend, peer: Any, group: WriteGroup, src: Sequence[MemoryRegion],
+         dst: Sequence[RemoteRegion], tag: int) -> Any:
+    """One WriteGroup as one paged write; returns its TransferFuture."""
+    i = region_index(group.layer, group.kind)
+    return backend.write_pages(peer, src[i], group.src_pages, group.src_stride, dst[i], group.dst_pages,
+                               group.dst_stride, group.length, tag, group.src_offset, group.dst_offset)

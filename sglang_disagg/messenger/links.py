@@ -1,0 +1,135 @@
+"""A decoder leader's links to prefill servers: first contact, health, load.
+
+Each configured prefill messenger gets a thread that connects (retrying while the server
+starts), sends Hello and waits for Welcome or Refuse. A refusal is final for that
+server until it restarts; a lost connection is retried. Requests go to the ready link
+with the fewest outstanding requests.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from typing import Any
+
+from ..backends import PeerState, TransferError
+from . import wire
+
+logger = logging.getLogger("sglang_disagg.messenger")
+
+RETRY_S = 0.5
+REFUSED_RETRY_S = 5.0
+REFUSED_MARK = "refused by"  # in every refusal the client sees; the launcher stops on it
+
+
+class LinkState(enum.Enum):
+    CONNECTING = "connecting"
+    READY = "ready"
+    REFUSED = "refused"
+    DOWN = "down"
+
+
+class Link:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.state = LinkState.CONNECTING
+        self.reason = "not contacted yet"
+        self.peer: Any = None
+        self.prefill_tp = 0
+        self.instances: tuple[str, ...] = ()
+        self.outstanding = 0
+        self._reply = threading.Event()
+        self._answer: wire.Message | None = None
+
+    def alive(self) -> bool:
+        return self.state is LinkState.READY and self.peer is not None and self.peer.state is PeerState.CONNECTED
+
+    def send(self, msg: wire.Message) -> None:
+        if self.peer is None:
+            raise TransferError(f"prefill server {self.address} is not connected")
+        self.peer.send(wire.encode(msg))
+
+    def describe(self) -> str:
+        return f"{self.address}: {self.state.value} ({self.reason})"
+
+
+class Links:
+    def __init__(self, node: Any, hello: wire.Hello, addresses: tuple[str, ...], connect_timeout_s: float) -> None:
+        self._node, self._hello, self._timeout = node, hello, connect_timeout_s
+        self.links = {a: Link(a) for a in addresses}
+        self._by_peer: dict[str, Link] = {}
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(link,), name=f"messenger-link-{a}", daemon=True)
+                         for a, link in self.links.items()]
+        for t in self._threads:
+            t.start()
+
+    def choose(self) -> Link | None:
+        ready = [link for link in self.links.values() if link.alive()]
+        return min(ready, key=lambda link: link.outstanding) if ready else None
+
+    def connecting(self) -> bool:
+        return any(link.state in (LinkState.CONNECTING, LinkState.DOWN) for link in self.links.values())
+
+    def why(self) -> str:
+        return "no usable prefill server: " + "; ".join(link.describe() for link in self.links.values())
+
+    def on_message(self, peer: Any, msg: wire.Message) -> bool:
+        """Welcome/Refuse for a link waiting on first contact; False for other messages."""
+        if not isinstance(msg, (wire.Welcome, wire.Refuse)):
+            return False
+        link = self._by_peer.get(peer.id)
+        if link is not None:
+            link._answer = msg
+            link._reply.set()
+        return True
+
+    def link_of(self, peer_id: str) -> Link | None:
+        return self._by_peer.get(peer_id)
+
+    def close(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=2.0)
+
+    def _run(self, link: Link) -> None:
+        while not self._stop.is_set():
+            if link.alive():
+                self._stop.wait(RETRY_S)
+                continue
+            if link.state is LinkState.READY:  # it was up: the connection dropped
+                link.state, link.reason = LinkState.DOWN, "connection lost"
+                logger.warning("messenger: prefill server %s lost", link.address)
+            self._contact(link)
+            if link.state is not LinkState.READY:
+                self._stop.wait(REFUSED_RETRY_S if link.state is LinkState.REFUSED else RETRY_S)
+
+    def _contact(self, link: Link) -> None:
+        try:
+            peer = self._node.backend.connect(link.address, self._timeout)
+        except TransferError as e:
+            if link.state is not LinkState.REFUSED:
+                link.reason = str(e)
+            return
+        link._reply.clear()
+        self._by_peer[peer.id] = link
+        try:
+            peer.send(wire.encode(self._hello))
+            if not link._reply.wait(self._timeout):
+                raise TransferError(f"no answer to Hello within {self._timeout} s")
+        except TransferError as e:
+            link.reason = str(e)
+            peer.close()
+            return
+        answer = link._answer
+        if isinstance(answer, wire.Refuse):
+            link.state, link.reason = LinkState.REFUSED, f"{REFUSED_MARK} {answer.prefill}: {answer.reason}"
+            logger.error("messenger: prefill server %s refused this decoder: %s", link.address, answer.reason)
+            peer.close()
+            return
+        assert isinstance(answer, wire.Welcome)
+        link.peer, link.prefill_tp = peer, answer.kv.tp
+        link.instances = tuple(r.instance for r in answer.ranks)
+        link.state, link.reason = LinkState.READY, f"{answer.prefill}, TP {answer.kv.tp}"
+        logger.info("messenger: linked to prefill server %s (%s)", link.address, link.reason)

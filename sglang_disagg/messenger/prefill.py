@@ -1,0 +1,330 @@
+"""Prefill side: decoders' orders become ordinary SGLang requests with max_new_tokens=0
+(so the batch never samples), and each chunk's pages are written into the decoder's
+pages, with the order's immediate, as soon as that chunk's forward ends.
+
+Scheduler-side contract (hooks.py calls these on every TP rank, in the scheduler thread):
+  leader_inputs()        (leader) decoders' Hello/orders/cancels, injected into the broadcast
+  apply(input)           DecoderJoined / OrderTicket / CancelTicket, the same on every rank
+  take(req)              a request reaching the queue: orders pass, anything else is refused
+  after_forward(batch)   post the writes of every page the forward completed
+  hold_release(req, cp)  a finished order keeps its pages until its writes completed
+  step()                 once per iteration: agree with the other ranks, release, answer
+  abort(recv_req)        orders still waiting in the queue
+Worker side (backend threads): write futures completing only count down and wake the
+scheduler. The control thread (leader) reads decoders' messages and answers first
+contact; everything that touches the scheduler goes through the broadcast.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import itertools
+import logging
+import os
+import threading
+import time
+from array import array
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import compat, wire
+from .config import MessengerConfig
+from .inputs import CancelTicket, DecoderJoined, MessengerInput, OrderTicket
+from .kvpool import post
+from .node import Node
+from .planner import ShardPlan, pages_for
+from .requests import ORDER_ATTR, abort_matches, fail_request, release
+
+logger = logging.getLogger("sglang_disagg.messenger")
+TRACE = os.environ.get("SGLANG_DISAGG_TRACE") == "1"  # one timing line per order, for profiling
+
+
+@dataclass(slots=True, eq=False)
+class DecoderLink:
+    """This rank's view of one decoder: peers and regions of the decode ranks it writes."""
+
+    hello: wire.Hello
+    plan: ShardPlan
+    peers: dict[int, Any] = field(default_factory=dict)
+    remote: dict[int, list[Any]] = field(default_factory=dict)
+    error: str = ""
+
+
+@dataclass(slots=True, eq=False)
+class Record:
+    seq: int
+    rid: str
+    key: str
+    order: wire.PrefillOrder
+    req: Any = None
+    sent: int = 0            # pages posted so far
+    posted: int = 0          # write batches posted (scheduler thread)
+    completed: int = 0       # write batches completed (backend threads, under _lock)
+    failed: str = ""         # this rank: why its writes failed
+    held: bool = False       # finished; waiting for its writes before release
+    checkpoint: bool = False
+    cancelled: bool = False
+    done: bool = False       # released (or never admitted): answer the decoder, forget
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    times: dict = field(default_factory=dict)
+
+    def on_write_done(self, fut: Any, wakeup: Any) -> None:  # backend thread (or the poster)
+        err = fut.exception()
+        with self._lock:
+            if err is not None and not self.failed:
+                self.failed = f"KV write failed: {err}"
+            self.completed += 1
+        wakeup.set()
+
+    @property
+    def writes_done(self) -> bool:
+        with self._lock:
+            return self.completed == self.posted
+
+
+class PrefillMessenger:
+    def __init__(self, cfg: MessengerConfig, scheduler: Any) -> None:
+        self.cfg, self.sched = cfg, scheduler
+        self.node = Node(cfg, scheduler)
+        self.ranks, self.backend = self.node.ranks, self.node.backend
+        self.decoders: dict[str, DecoderLink] = {}
+        self.records: dict[str, Record] = {}        # prefill rid -> record
+        self._seq = itertools.count()
+        self._inbox: collections.deque[MessengerInput] = collections.deque()
+        self._peers: dict[str, Any] = {}             # leader: decoder key -> control peer
+        self.stats = {"orders": 0, "orders_failed": 0, "writes_posted": 0, "pages_sent": 0}
+        if self.ranks.is_leader:
+            self.node.start_reader(self._on_message)
+
+    # ----- leader: decoders' messages -------------------------------------------------
+    def _on_message(self, peer: Any, msg: wire.Message) -> None:  # control thread
+        if isinstance(msg, wire.Hello):
+            reasons = compat.differences(msg.kv, self.node.spec)
+            if not reasons:
+                try:
+                    ShardPlan.build(self.node.view.geometry, self.ranks.size, msg.kv.tp)
+                except ValueError as e:
+                    reasons.append(str(e))
+            if reasons:
+                logger.error("messenger: refused decoder %s: %s", msg.decoder, "; ".join(reasons))
+                peer.send(wire.encode(wire.Refuse(prefill=self.node.name, reason="; ".join(reasons))))
+                return
+            self._peers[peer.id] = peer
+            self._inbox.append(DecoderJoined(peer.id, msg))
+            peer.send(wire.encode(wire.Welcome(prefill=self.node.name, kv=self.node.spec, ranks=tuple(
+                wire.RankEndpoint(r.rank, r.address, r.instance, ()) for r in self.node.endpoints))))
+        elif isinstance(msg, wire.PrefillOrder):
+            problem = self._check_order(peer.id, msg)
+            if problem:
+                peer.send(wire.encode(wire.OrderFailed(rid=msg.rid, tag=msg.tag, reason=problem)))
+                return
+            self._inbox.append(OrderTicket(peer.id, msg))
+        elif isinstance(msg, wire.Cancel):
+            self._inbox.append(CancelTicket(peer.id, msg.tag))
+        else:
+            logger.warning("messenger: unexpected %s from %s", type(msg).__name__, peer.address)
+            return
+        self.node.wakeup.set()
+
+    def _check_order(self, key: str, o: wire.PrefillOrder) -> str:
+        if key not in self._peers:
+            return "no Hello from this decoder yet"
+        if not o.token_ids:
+            return "an order needs at least one token"
+        if len(o.dst_pages) != pages_for(len(o.token_ids), self.node.page_size):
+            return (f"{len(o.token_ids)} tokens need {pages_for(len(o.token_ids), self.node.page_size)} pages "
+                    f"of {self.node.page_size}, the order names {len(o.dst_pages)}")
+        if o.start_page > len(o.dst_pages):
+            return f"start_page {o.start_page} beyond the order's {len(o.dst_pages)} pages"
+        if o.tag >= 1 << 32:
+            return f"tag {o.tag} does not fit 32 bits"
+        return ""
+
+    def leader_inputs(self) -> list[MessengerInput]:
+        out = []
+        while self._inbox:
+            out.append(self._inbox.popleft())
+        return out
+
+    # ----- every rank: inputs from the broadcast --------------------------------------
+    def apply(self, item: MessengerInput) -> None:
+        if isinstance(item, DecoderJoined):
+            self._join(item)
+        elif isinstance(item, OrderTicket):
+            self._admit(item)
+        elif isinstance(item, CancelTicket):
+            self._cancel(item)
+
+    def _join(self, item: DecoderJoined) -> None:
+        hello = item.hello
+        link = DecoderLink(hello, ShardPlan.build(self.node.view.geometry, self.ranks.size, hello.kv.tp))
+        targets = sorted({p.dst_rank for p in link.plan.pieces if p.src_rank == self.ranks.rank})
+        try:
+            for d in targets:
+                peer = self.backend.connect(hello.ranks[d].address, self.cfg.connect_timeout_s)
+                link.peers[d] = peer
+                link.remote[d] = [peer.add_remote_region(desc) for desc in hello.ranks[d].regions]
+        except Exception as e:  # noqa: BLE001 - orders from this decoder will fail with it
+            link.error = f"cannot reach decoder {hello.decoder}: {e}"
+            logger.error("messenger: %s", link.error)
+        self.decoders[item.key] = link
+
+    def _admit(self, item: OrderTicket) -> None:
+        from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
+        o = item.order
+        rec = Record(next(self._seq), f"mx-{item.key[:12]}-{o.tag}", item.key, o, sent=o.start_page)
+        rec.times["admit"] = time.monotonic()
+        self.records[rec.rid] = rec
+        self.stats["orders"] += 1
+        link = self.decoders.get(item.key)
+        if link is None or link.error:
+            rec.failed = link.error if link else "unknown decoder"
+            rec.held = True  # nothing to release: step() answers the decoder
+            return
+        params = SamplingParams(max_new_tokens=0, temperature=0.0)
+        params.normalize(self.sched.tokenizer)
+        self.sched.handle_generate_request(TokenizedGenerateReqInput(
+            rid=rec.rid, input_text=None, input_ids=array("q", o.token_ids), input_embeds=None, mm_inputs=None,
+            token_type_ids=None, sampling_params=params, return_logprob=False, logprob_start_len=-1,
+            top_logprobs_num=0, token_ids_logprob=None, stream=False))
+        if rec.req is None:  # refused at intake (too long, ...): SGLang said why in its log
+            rec.failed, rec.held = "the prefill server refused the request at intake (see its log)", True
+
+    def _cancel(self, item: CancelTicket) -> None:
+        rec = next((r for r in self.records.values() if r.key == item.key and r.order.tag == item.tag), None)
+        if rec is None:
+            # Already released (orders precede their cancel in the broadcast): nothing of it
+            # is in flight any more; say so, or the decoder would hold its pages.
+            peer = self._peers.get(item.key) if self.ranks.is_leader else None
+            if peer is not None:
+                with contextlib.suppress(Exception):
+                    peer.send(wire.encode(wire.Released(rid="", tag=item.tag)))
+            return
+        rec.cancelled = True
+        if rec.req is not None and not rec.held:
+            from sglang.srt.managers.io_struct import AbortReq
+
+            self.sched.abort_request(AbortReq(rid=rec.rid))
+
+    # ----- every rank: SGLang's request flow -----------------------------------------
+    def take(self, req: Any) -> bool:
+        rec = self.records.get(req.rid)
+        if rec is not None:
+            rec.req = req
+            setattr(req, ORDER_ATTR, rec)
+            return False
+        fail_request(self.sched, req, "this is a prefill server in messenger mode: it takes requests from "
+                                      "decode servers only; send requests to a decode server or the router")
+        return True
+
+    def after_forward(self, batch: Any) -> None:
+        for req in batch.reqs:
+            rec = getattr(req, ORDER_ATTR, None)
+            if rec is not None and not rec.failed and not rec.held:
+                rec.times.setdefault("forward_start", getattr(batch, "launch_ts", 0.0))
+                self._send(rec, req.extend_end)
+
+    def _send(self, rec: Record, done_tokens: int) -> None:
+        ps, o = self.node.page_size, rec.order
+        total = len(o.token_ids)
+        upto = pages_for(total, ps) if done_tokens >= total else done_tokens // ps
+        if upto <= rec.sent:
+            return
+        link = self.decoders[rec.key]
+        row = self.sched.req_to_token_pool.req_to_token[rec.req.kv.req_pool_idx]
+        src_pages = (row[rec.sent * ps:upto * ps:ps] // ps).tolist()
+        dst_pages = o.dst_pages[rec.sent:upto]
+        wakeup = self.node.wakeup
+        try:
+            for g in link.plan.groups(src_pages, dst_pages, src_rank=self.ranks.rank):
+                fut = post(self.backend, link.peers[g.dst_rank], g, self.node.regions, link.remote[g.dst_rank],
+                           o.tag)
+                with rec._lock:
+                    rec.posted += 1
+                self.stats["writes_posted"] += g.writes
+                fut.add_done_callback(lambda f, rec=rec: rec.on_write_done(f, wakeup))
+        except Exception as e:  # noqa: BLE001 - the order fails; posted writes still drain
+            rec.failed = f"posting KV writes failed: {e}"
+        self.stats["pages_sent"] += upto - rec.sent
+        rec.sent = upto
+        rec.times.setdefault("first_post", time.monotonic())
+        rec.times["last_post"] = time.monotonic()
+
+    def hold_release(self, req: Any, checkpoint: bool) -> bool:
+        rec = getattr(req, ORDER_ATTR, None)
+        if rec is None or rec.done:
+            return False
+        req.finished_output = True  # nobody at this server's HTTP side waits for it
+        rec.held, rec.checkpoint = True, checkpoint
+        if rec.sent < len(rec.order.dst_pages) and not rec.failed:
+            rec.failed = f"the request ended after {rec.sent} of {len(rec.order.dst_pages)} pages (aborted?)"
+        return True
+
+    def step(self) -> None:
+        self.node.wakeup.clear()
+        live = [r for r in self.records.values() if r.held]
+        flags = []
+        for r in live:
+            flags += [int(r.writes_done), int(bool(r.failed))]
+        sums = self.ranks.agree(flags)
+        for i, r in enumerate(live):
+            done, failed = sums[2 * i:2 * i + 2]
+            if done == self.ranks.size:
+                self._finish(r, failed > 0)
+        if self.ranks.is_leader:
+            self.node.stats_file.publish(self.snapshot)
+
+    def snapshot(self) -> dict:
+        return self.node.describe(self.sched) | self.stats | {"decoders": len(self.decoders), "in_flight": len(self.records)}
+
+    def _finish(self, rec: Record, failed: bool) -> None:
+        rec.done = True
+        if TRACE:
+            t = rec.times | {"release": time.monotonic()}
+            logger.info("messenger trace %s: admit at %.4f (monotonic), %d tokens; ms since admit: %s", rec.rid,
+                        rec.times["admit"], len(rec.order.token_ids),
+                        ", ".join(f"{k} {1000 * (v - t['admit']):.1f}" for k, v in t.items()))
+        del self.records[rec.rid]
+        if rec.req is not None:
+            release(self.sched, rec.req, checkpoint=rec.checkpoint)
+        if failed:
+            self.stats["orders_failed"] += 1
+        if not self.ranks.is_leader:
+            return
+        peer = self._peers.get(rec.key)
+        if peer is None:
+            return
+        reply = (wire.Released(rid=rec.order.rid, tag=rec.order.tag) if rec.cancelled else
+                 wire.OrderFailed(rid=rec.order.rid, tag=rec.order.tag,
+                                  reason=rec.failed or "KV writes failed on another TP rank") if failed else None)
+        if reply is not None:
+            try:
+                peer.send(wire.encode(reply))
+            except Exception:  # noqa: BLE001 - the decoder is gone: nothing to tell
+                pass
+
+    def abort(self, recv_req: Any) -> None:
+        # Orders still waiting in SGLang's queue hold nothing: finish them here, or SGLang
+        # would drop them from the queue and this record would wait forever.
+        for req in [r for r in self.sched.waiting_queue if getattr(r, ORDER_ATTR, None) is not None]:
+            if abort_matches(recv_req, req.rid):
+                self.sched.waiting_queue.remove(req)
+                rec = getattr(req, ORDER_ATTR)
+                rec.held, rec.failed = True, rec.failed or "aborted on the prefill server"
+                req.finished_output = True
+
+    @staticmethod
+    def prefix_tree(req: Any, tree: Any) -> Any:
+        return tree
+
+    def idle(self) -> bool:
+        return not self.records
+
+    def has_leader_work(self) -> bool:
+        return bool(self._inbox)
+
+    def close(self) -> None:
+        self.node.close()

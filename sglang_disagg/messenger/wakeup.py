@@ -1,0 +1,28 @@
+"""A file descriptor the scheduler can poll together with its ZeroMQ sockets.
+
+Backend threads (a write landed, a batch completed, a control message arrived) call
+``set()``; the scheduler's idle wait polls ``fd`` alongside the tokenizer socket, so it
+sleeps without spinning and wakes within microseconds of either.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+
+class Wakeup:
+    def __init__(self) -> None:
+        self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+
+    def set(self) -> None:
+        with contextlib.suppress(OSError):
+            os.eventfd_write(self.fd, 1)
+
+    def clear(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.eventfd_read(self.fd)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
