@@ -8,13 +8,18 @@ import sys
 import time
 
 from sglang_disagg.launch.client import chat
-from sglang_disagg.launch.config import LaunchConfig, Role, TransferBackend
+from sglang_disagg.launch.config import LaunchConfig, Mode, Role
 from sglang_disagg.launch.preflight import PreflightError
 from sglang_disagg.launch.process import StartupError, log_tail
 from sglang_disagg.launch.stack import Stack
 from sglang_disagg.models import DEFAULT_MODEL
 
-EPILOG = """Arguments not listed here are passed through to every SGLang server,
+EPILOG = """Modes: messenger (default) = decoders allocate KV pages and ask prefill servers
+to fill them through sglang_disagg's transfer backends (--backend libfabric|nixl|mooncake,
+--provider shm|tcp for libfabric); the router sits in front of the decoders only.
+upstream = SGLang's own PD path (--backend mooncake|nixl), router in PD mode.
+
+Arguments not listed here are passed through to every SGLang server,
 e.g. --chunked-prefill-size 256. Built-in models (random weights, for plumbing,
 tests and benchmarks): tiny-llama (default), tiny-qwen3, small-llama."""
 
@@ -26,10 +31,19 @@ def parse(argv: list[str]) -> tuple[LaunchConfig, bool]:
                     metavar="{" + ",".join(r.value for r in Role) + "}")
     ap.add_argument("--model-path", default=DEFAULT_MODEL, help="built-in model name or a model directory")
     ap.add_argument("--port", type=int, default=30000,
-                    help="front door: the router (all/router) or the server; the stack also uses the 6 ports above")
+                    help="front door: the router (all/router) or the server; the stack also uses the 7 ports above")
     ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--transfer-backend", type=TransferBackend, default=TransferBackend.MOONCAKE,
-                    choices=list(TransferBackend), metavar="{" + ",".join(b.value for b in TransferBackend) + "}")
+    ap.add_argument("--mode", type=Mode, choices=list(Mode), default=Mode.MESSENGER,
+                    metavar="{" + ",".join(m.value for m in Mode) + "}")
+    ap.add_argument("--backend", "--transfer-backend", dest="backend", default=None,
+                    help="messenger: libfabric (default), nixl, mooncake; upstream: mooncake (default), nixl")
+    ap.add_argument("--provider", default=None,
+                    help="libfabric provider: shm (default for --role all), tcp (default across machines)")
+    ap.add_argument("--page-size", type=int, default=None, help="KV page size in tokens (messenger default 16)")
+    ap.add_argument("--prefill-messenger", action="append", default=[],
+                    help="decode role, messenger mode: host:port of a prefill server's messenger (repeatable)")
+    ap.add_argument("--transfer-timeout", type=float, default=60.0,
+                    help="messenger: seconds a decoder waits for a request's KV before failing it")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--tp", type=int, default=None, help="TP size of a single-server role")
     ap.add_argument("--prefill-tp", type=int, default=1)
@@ -47,11 +61,12 @@ def parse(argv: list[str]) -> tuple[LaunchConfig, bool]:
     if args.tp is not None:
         prefill_tp = decode_tp = args.tp
     cfg = LaunchConfig(
-        role=args.role, model=args.model_path, port=args.port, host=args.host, backend=args.transfer_backend,
-        device=args.device, prefill_tp=prefill_tp, decode_tp=decode_tp, dtype=args.dtype,
-        max_total_tokens=args.max_total_tokens, prefill_urls=tuple(args.prefill_url),
-        decode_urls=tuple(args.decode_url), extra_args=tuple(extra), log_dir=args.log_dir,
-        startup_timeout_s=args.startup_timeout,
+        role=args.role, model=args.model_path, port=args.port, host=args.host, mode=args.mode,
+        backend=args.backend, provider=args.provider, device=args.device, prefill_tp=prefill_tp,
+        decode_tp=decode_tp, dtype=args.dtype, max_total_tokens=args.max_total_tokens, page_size=args.page_size,
+        prefill_urls=tuple(args.prefill_url), decode_urls=tuple(args.decode_url),
+        prefill_messengers=tuple(args.prefill_messenger), extra_args=tuple(extra), log_dir=args.log_dir,
+        startup_timeout_s=args.startup_timeout, transfer_timeout_s=args.transfer_timeout,
     )
     return cfg, args.smoke
 
@@ -67,6 +82,22 @@ def smoke(stack: Stack) -> None:
     n = out["usage"]["completion_tokens"]
     say(f"completion ({n} tokens in {dt * 1000:.0f} ms, {n / dt:.1f} tok/s end to end):")
     print("    " + out["choices"][0]["message"]["content"], flush=True)
+    say(f"carried by: {carrier(stack)}")
+
+
+def carrier(stack: Stack, wait_s: float = 3.0) -> str:
+    """What moved the KV of the requests so far, from the decoder's own counters."""
+    cfg = stack.cfg
+    if cfg.role is Role.COLOCATED or cfg.mode is Mode.UPSTREAM:
+        return cfg.describe_transfer()
+    deadline = time.monotonic() + wait_s
+    while True:  # the counters are published a few hundred ms after they change
+        stats = stack.messenger_stats("decode") or {}
+        if stats.get("requests_carried") or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    return (f"{cfg.describe_transfer()}: {stats.get('requests_carried', 0)} request(s) through the messenger, "
+            f"{stats.get('writes_received', 0)} KV writes received by the decoder")
 
 
 def serve(stack: Stack) -> int:
@@ -96,8 +127,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        say(f"starting {cfg.role.value} with model {stack.model_path or '-'}, backend {cfg.backend.value}; "
+        say(f"starting {cfg.role.value} with model {stack.model_path or '-'}, {cfg.describe_transfer()}; "
             f"logs in {stack.log_dir}")
+        for what, port in cfg.ports.all(cfg.role, cfg.mode).items():
+            say(f"  port {port}: {what}")
         stack.start(progress=say)
         say(f"up in {stack.startup_s:.1f}s")
         if do_smoke:

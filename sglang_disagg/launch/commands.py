@@ -11,9 +11,18 @@ Why each CPU flag is there:
   of a core; on a small machine the prefill server's spinning starves the
   decode server (one request measured 7 tok/s without, ~130 tok/s with, on
   2 cores). The sleep is a zmq poll, so a new request still wakes it at once.
-- prefill ``--disable-overlap-schedule``: the overlap path records a CUDA event.
-- decode ``--disaggregation-decode-retraction-backup cpu_tensor``: the default
-  host backup pool calls cudaHostRegister.
+- ``OMP_NUM_THREADS``: each server sizes its OpenMP pool to the whole machine
+  by default, so two servers on 2 cores run 4 compute threads and spin at
+  barriers (measured: 34 -> ~190 output tok/s for the upstream stack under
+  concurrency). Each server gets threads for the cores it is given.
+- upstream prefill ``--disable-overlap-schedule``: the overlap path records a
+  CUDA event. Messenger servers disable it too: on CPU a forward runs
+  synchronously, so overlap would only delay a chunk's KV writes by one forward.
+- upstream decode ``--disaggregation-decode-retraction-backup cpu_tensor``: the
+  default host backup pool calls cudaHostRegister.
+- messenger ``SGLANG_USE_HND_KVCACHE=1`` and ``--page-size 16``: the KV pool
+  keeps heads before tokens inside a page, so a page's head-shard is one
+  contiguous range and moves with one write.
 """
 
 from __future__ import annotations
@@ -21,9 +30,12 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from sglang_disagg.env import CPU_SERVER_ENV
-from sglang_disagg.launch.config import LaunchConfig, Role, TransferBackend
+from sglang_disagg.launch.config import LaunchConfig, Mode, Role
+from sglang_disagg.messenger.config import ENV as MESSENGER_ENV
+from sglang_disagg.messenger.config import MessengerConfig, MessengerRole
 
 
 @dataclass(frozen=True)
@@ -37,14 +49,27 @@ class ProcessSpec:
         return os.environ.copy() | dict(self.env)
 
 
-def _cpu_bind(tp: int) -> str:
-    """SGLang's CPU engine binds one OpenMP pool per TP rank: spread the ranks
-    over the cores, one core set per rank ("0|1" for TP 2 on 2 cores)."""
-    cores = os.cpu_count() or 1
-    per = max(1, cores // tp)
-    return "|".join(
-        f"{r * per}-{r * per + per - 1}" if per > 1 else str(r * per) for r in range(tp)
-    )
+def server_cores(cfg: LaunchConfig, role: Role) -> list[int]:
+    """The cores a server's ranks get: `--role all` splits the machine between
+    prefill and decode, every other role has it all."""
+    cores = list(range(os.cpu_count() or 1))
+    if cfg.role is not Role.ALL or len(cores) == 1:
+        return cores
+    half = max(1, len(cores) // 2)
+    return cores[:half] if role is Role.PREFILL else cores[half:]
+
+
+def _threads_env(cfg: LaunchConfig, role: Role, tp: int) -> dict[str, str]:
+    cores = server_cores(cfg, role)
+    env = {"OMP_NUM_THREADS": str(max(1, len(cores) // tp))}
+    if tp > 1:
+        # SGLang's CPU engine binds one OpenMP pool per TP rank: one core set per rank
+        # ("0|1" for TP 2 on 2 cores), ranks share cores when there are fewer.
+        per = max(1, len(cores) // tp)
+        sets = [cores[(r * per) % len(cores):(r * per) % len(cores) + per] for r in range(tp)]
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(
+            f"{s[0]}-{s[-1]}" if len(s) > 1 else str(s[0]) for s in sets)
+    return env
 
 
 def _server_base(cfg: LaunchConfig, model_path: str, builtin: bool, port: int, dist_port: int, tp: int) -> list[str]:
@@ -70,38 +95,76 @@ def _server_base(cfg: LaunchConfig, model_path: str, builtin: bool, port: int, d
     return argv
 
 
-def _env(cfg: LaunchConfig, tp: int) -> tuple[tuple[str, str], ...]:
+def _env(cfg: LaunchConfig, role: Role, tp: int, extra: dict[str, str] | None = None) -> tuple[tuple[str, str], ...]:
     env = dict(CPU_SERVER_ENV) if cfg.device == "cpu" else {}
     if cfg.host not in ("0.0.0.0", "::"):
         # Bootstrap and transfer engines advertise this address to peers.
         env["SGLANG_HOST_IP"] = cfg.host
-    if cfg.device == "cpu" and tp > 1:
-        env["SGLANG_CPU_OMP_THREADS_BIND"] = _cpu_bind(tp)
+    if cfg.device == "cpu":
+        env.update(_threads_env(cfg, role, tp))
+    env.update(extra or {})
     env.update(dict(cfg.env))
     return tuple(sorted(env.items()))
 
 
-def server_spec(cfg: LaunchConfig, role: Role, model_path: str, builtin: bool) -> ProcessSpec:
+def messenger_config(cfg: LaunchConfig, role: Role, log_dir: Path | None = None) -> MessengerConfig:
+    ports = cfg.ports
+    name = role.value
+    stats = str(log_dir / f"{name}.messenger.json") if log_dir else ""
+    common = dict(backend=cfg.transfer_backend, provider=cfg.transfer_provider, host=cfg.host, name=name,
+                  stats_file=stats, transfer_timeout_s=cfg.transfer_timeout_s)
+    if role is Role.PREFILL:
+        return MessengerConfig(role=MessengerRole.PREFILL, port=ports.bootstrap, **common)
+    prefill = cfg.prefill_messengers or (f"{cfg.host}:{ports.bootstrap}",)
+    return MessengerConfig(role=MessengerRole.DECODE, prefill=prefill, **common)
+
+
+def _messenger_server(cfg: LaunchConfig, role: Role, argv: list[str], tp: int, log_dir: Path | None) -> tuple:
+    argv += ["--disable-overlap-schedule", "--page-size", str(cfg.kv_page_size)]
+    if role is Role.DECODE:
+        # A request's last prompt token runs as a one-token extend: mixed with the running
+        # decode batch it costs no forward of its own, so decoding never pauses for it.
+        argv += ["--enable-mixed-chunk"]
+    extra = {"SGLANG_USE_HND_KVCACHE": "1", MESSENGER_ENV: messenger_config(cfg, role, log_dir).to_env()}
+    return argv, _env(cfg, role, tp, extra)
+
+
+def server_spec(cfg: LaunchConfig, role: Role, model_path: str, builtin: bool,
+                log_dir: Path | None = None) -> ProcessSpec:
     ports = cfg.ports
     if role is Role.COLOCATED:
         argv = _server_base(cfg, model_path, builtin, ports.front, ports.colocated_dist, cfg.prefill_tp)
-        return ProcessSpec("colocated", tuple(argv + list(cfg.extra_args)), _env(cfg, cfg.prefill_tp), ports.front)
+        if cfg.page_size is not None:
+            argv += ["--page-size", str(cfg.page_size)]
+        return ProcessSpec("colocated", tuple(argv + list(cfg.extra_args)), _env(cfg, role, cfg.prefill_tp),
+                           ports.front)
     if role is Role.PREFILL:
-        argv = _server_base(cfg, model_path, builtin, ports.prefill, ports.prefill_dist, cfg.prefill_tp)
-        argv += [
-            "--disaggregation-mode", "prefill",
-            "--disaggregation-transfer-backend", cfg.backend.value,
-            "--disaggregation-bootstrap-port", str(ports.bootstrap),
-        ]
-        if cfg.device == "cpu":
-            argv += ["--disable-overlap-schedule"]
-        return ProcessSpec("prefill", tuple(argv + list(cfg.extra_args)), _env(cfg, cfg.prefill_tp), ports.prefill)
+        tp, port = cfg.prefill_tp, ports.prefill
+        argv = _server_base(cfg, model_path, builtin, port, ports.prefill_dist, tp)
+        if cfg.mode is Mode.MESSENGER:
+            argv, env = _messenger_server(cfg, role, argv, tp, log_dir)
+        else:
+            argv += ["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", cfg.transfer_backend,
+                     "--disaggregation-bootstrap-port", str(ports.bootstrap)]
+            if cfg.device == "cpu":
+                argv += ["--disable-overlap-schedule"]
+            if cfg.page_size is not None:
+                argv += ["--page-size", str(cfg.page_size)]
+            env = _env(cfg, role, tp)
+        return ProcessSpec("prefill", tuple(argv + list(cfg.extra_args)), env, port)
     if role is Role.DECODE:
-        argv = _server_base(cfg, model_path, builtin, ports.decode, ports.decode_dist, cfg.decode_tp)
-        argv += ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", cfg.backend.value]
-        if cfg.device == "cpu":
-            argv += ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
-        return ProcessSpec("decode", tuple(argv + list(cfg.extra_args)), _env(cfg, cfg.decode_tp), ports.decode)
+        tp, port = cfg.decode_tp, ports.decode
+        argv = _server_base(cfg, model_path, builtin, port, ports.decode_dist, tp)
+        if cfg.mode is Mode.MESSENGER:
+            argv, env = _messenger_server(cfg, role, argv, tp, log_dir)
+        else:
+            argv += ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", cfg.transfer_backend]
+            if cfg.device == "cpu":
+                argv += ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
+            if cfg.page_size is not None:
+                argv += ["--page-size", str(cfg.page_size)]
+            env = _env(cfg, role, tp)
+        return ProcessSpec("decode", tuple(argv + list(cfg.extra_args)), env, port)
     raise ValueError(f"{role} is not a server role")
 
 
@@ -115,19 +178,24 @@ def _split_url(url: str, default_bootstrap: int | None) -> list[str]:
 
 def router_spec(cfg: LaunchConfig) -> ProcessSpec:
     ports = cfg.ports
-    if cfg.role is Role.ALL:
-        prefills = [[f"http://{cfg.host}:{ports.prefill}", str(ports.bootstrap)]]
-        decodes = [f"http://{cfg.host}:{ports.decode}"]
+    decodes = [f"http://{cfg.host}:{ports.decode}"] if cfg.role is Role.ALL else list(cfg.decode_urls)
+    argv = [sys.executable, "-m", "sglang_router.launch_router", "--host", cfg.host, "--port", str(ports.front),
+            # its metrics listener defaults to 0.0.0.0:29000: keep it on our host and port range
+            "--prometheus-host", cfg.host, "--prometheus-port", str(ports.router_metrics)]
+    if cfg.mode is Mode.MESSENGER:
+        # Regular mode in front of the decoders only: each decoder finds its prefill server.
+        argv += ["--worker-urls", *decodes]
     else:
-        prefills = [_split_url(u, None) for u in cfg.prefill_urls]
-        decodes = list(cfg.decode_urls)
-    argv = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-            "--host", cfg.host, "--port", str(ports.front)]
-    for p in prefills:
-        argv += ["--prefill", *p]
-    for d in decodes:
-        argv += ["--decode", d]
+        if cfg.role is Role.ALL:
+            prefills = [[f"http://{cfg.host}:{ports.prefill}", str(ports.bootstrap)]]
+        else:
+            prefills = [_split_url(u, None) for u in cfg.prefill_urls]
+        argv += ["--pd-disaggregation"]
+        for p in prefills:
+            argv += ["--prefill", *p]
+        for d in decodes:
+            argv += ["--decode", d]
     # The router's own health checks and retries would hide a dead worker for
     # tens of seconds; fail fast and let the client see the error.
     argv += ["--health-check-interval-secs", "2", "--health-failure-threshold", "2"]
-    return ProcessSpec("router", tuple(argv), _env(cfg, 1), ports.front)
+    return ProcessSpec("router", tuple(argv), _env(cfg, Role.ROUTER, 1), ports.front)

@@ -1,4 +1,4 @@
-"""What a launch is: roles, transfer backends, ports, validated up front."""
+"""What a launch is: roles, modes, transfer backends, ports, validated up front."""
 
 from __future__ import annotations
 
@@ -15,12 +15,24 @@ class Role(str, Enum):
     COLOCATED = "colocated"  # one ordinary SGLang server: the A/B baseline
 
 
-class TransferBackend(str, Enum):
-    """SGLang's upstream PD transfer backends usable on CPU."""
+class Mode(str, Enum):
+    """How prefill and decode cooperate."""
+
+    MESSENGER = "messenger"  # ours: decoders drive prefill servers, KV through sglang_disagg.backends
+    UPSTREAM = "upstream"    # SGLang's own PD path and connectors (the comparison baseline)
+
+
+class UpstreamBackend(str, Enum):
+    """SGLang's upstream PD transfer backends usable on CPU (--mode upstream)."""
 
     MOONCAKE = "mooncake"
     NIXL = "nixl"
     FAKE = "fake"  # decode only, no KV moves: for negative controls
+
+
+MESSENGER_PROVIDERS = ("shm", "tcp")  # libfabric providers that run on this kind of machine
+DEFAULT_BACKEND = {Mode.MESSENGER: "libfabric", Mode.UPSTREAM: UpstreamBackend.MOONCAKE.value}
+MESSENGER_PAGE_SIZE = 16  # tokens per KV page: one write moves a page's head-shard
 
 
 @dataclass(frozen=True)
@@ -40,6 +52,7 @@ class Ports:
 
     @property
     def bootstrap(self) -> int:
+        """Upstream: the prefill bootstrap server. Messenger: the prefill messenger."""
         return self.front + 3
 
     @property
@@ -54,22 +67,28 @@ class Ports:
     def colocated_dist(self) -> int:
         return self.front + 6
 
-    def all(self, role: Role) -> dict[str, int]:
+    @property
+    def router_metrics(self) -> int:
+        return self.front + 7
+
+    def all(self, role: Role, mode: Mode = Mode.MESSENGER) -> dict[str, int]:
         if role is Role.COLOCATED:
             return {"colocated server": self.front, "colocated dist-init": self.colocated_dist}
+        link = "prefill messenger" if mode is Mode.MESSENGER else "prefill bootstrap"
         ports = {
             "router": self.front,
             "prefill server": self.prefill,
             "decode server": self.decode,
-            "prefill bootstrap": self.bootstrap,
+            link: self.bootstrap,
             "prefill dist-init": self.prefill_dist,
             "decode dist-init": self.decode_dist,
+            "router metrics": self.router_metrics,
         }
         keep = {
             Role.ALL: ports.keys(),
-            Role.PREFILL: ("prefill server", "prefill bootstrap", "prefill dist-init"),
+            Role.PREFILL: ("prefill server", link, "prefill dist-init"),
             Role.DECODE: ("decode server", "decode dist-init"),
-            Role.ROUTER: ("router",),
+            Role.ROUTER: ("router", "router metrics"),
         }[role]
         return {k: v for k, v in ports.items() if k in keep}
 
@@ -80,34 +99,93 @@ class LaunchConfig:
     model: str  # a built-in model name or a directory
     port: int = 30000
     host: str = "127.0.0.1"
-    backend: TransferBackend = TransferBackend.MOONCAKE
+    mode: Mode = Mode.MESSENGER
+    backend: str | None = None  # None: libfabric (messenger) / mooncake (upstream)
+    provider: str | None = None  # libfabric provider; None: shm on one machine, tcp across machines
     device: str = "cpu"
     prefill_tp: int = 1
     decode_tp: int = 1
     dtype: str | None = None  # None: float32 for built-in models, SGLang's default otherwise
     max_total_tokens: int = 8192
-    prefill_urls: tuple[str, ...] = ()  # router role: "http://host:port[@bootstrap_port]"
+    page_size: int | None = None  # None: 16 in messenger mode, SGLang's default upstream
+    prefill_urls: tuple[str, ...] = ()  # router role (upstream): "http://host:port[@bootstrap_port]"
     decode_urls: tuple[str, ...] = ()
+    prefill_messengers: tuple[str, ...] = ()  # decode role (messenger): "host:port" of prefill messengers
     extra_args: tuple[str, ...] = ()  # passed through to every SGLang server
     log_dir: str | None = None
     startup_timeout_s: float = 300.0
+    transfer_timeout_s: float = 60.0
     env: tuple[tuple[str, str], ...] = field(default=())
 
     def __post_init__(self) -> None:
         if not 1024 <= self.port <= 65535 - 8:
-            raise ValueError(f"--port {self.port}: must be in 1024..65527 (the stack uses port..port+6)")
+            raise ValueError(f"--port {self.port}: must be in 1024..65527 (the stack uses port..port+7)")
         for name, tp in (("--prefill-tp", self.prefill_tp), ("--decode-tp", self.decode_tp)):
             if tp < 1:
                 raise ValueError(f"{name} must be >= 1, got {tp}")
             if self.device == "cpu" and tp > (os.cpu_count() or 1):
                 raise ValueError(f"{name} {tp} exceeds the {os.cpu_count()} CPU cores of this machine")
-        if self.role is Role.ROUTER and not (self.prefill_urls and self.decode_urls):
-            raise ValueError("--role router needs at least one --prefill-url and one --decode-url")
-        if self.backend is TransferBackend.FAKE and self.role is not Role.DECODE:
-            raise ValueError("--transfer-backend fake only works for --role decode (SGLang refuses it on prefill)")
         if self.max_total_tokens < 256:
             raise ValueError("--max-total-tokens must be >= 256")
+        if self.page_size is not None and self.page_size < 1:
+            raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
+        if self.mode is Mode.UPSTREAM:
+            self._check_upstream()
+        else:
+            self._check_messenger()
+
+    def _check_upstream(self) -> None:
+        values = [b.value for b in UpstreamBackend]
+        if self.transfer_backend not in values:
+            raise ValueError(f"--backend {self.transfer_backend!r}: upstream mode takes {', '.join(values)}")
+        if self.provider is not None:
+            raise ValueError("--provider applies to the messenger's libfabric backend, not to upstream mode")
+        if self.transfer_backend == UpstreamBackend.FAKE.value and self.role is not Role.DECODE:
+            raise ValueError("--backend fake only works for --role decode (SGLang refuses it on prefill)")
+        if self.role is Role.ROUTER and not (self.prefill_urls and self.decode_urls):
+            raise ValueError("--role router in upstream mode needs at least one --prefill-url and one --decode-url")
+
+    def _check_messenger(self) -> None:
+        from sglang_disagg.backends import list_backends
+
+        known = list_backends()
+        if self.transfer_backend not in known:
+            raise ValueError(f"--backend {self.transfer_backend!r}: the messenger's transfer backends are "
+                             f"{', '.join(known)}")
+        if self.provider is not None and self.transfer_backend != "libfabric":
+            raise ValueError(f"--provider is a libfabric setting; backend {self.transfer_backend} has none")
+        if self.provider is not None and self.provider not in MESSENGER_PROVIDERS + ("efa", "verbs", "net"):
+            raise ValueError(f"--provider {self.provider!r}: choose shm, tcp (or efa/verbs on such hardware)")
+        if self.role is Role.ROUTER and not self.decode_urls:
+            raise ValueError("--role router in messenger mode needs at least one --decode-url (decoders "
+                             "reach prefill servers themselves)")
+        if self.role is Role.DECODE and not self.prefill_messengers:
+            raise ValueError("--role decode in messenger mode needs at least one --prefill-messenger host:port")
 
     @property
     def ports(self) -> Ports:
         return Ports(self.port)
+
+    @property
+    def transfer_backend(self) -> str:
+        return self.backend or DEFAULT_BACKEND[self.mode]
+
+    @property
+    def transfer_provider(self) -> str | None:
+        if self.transfer_backend != "libfabric" or self.mode is not Mode.MESSENGER:
+            return None
+        if self.provider:
+            return self.provider
+        return "shm" if self.role is Role.ALL else "tcp"
+
+    @property
+    def kv_page_size(self) -> int | None:
+        if self.page_size is not None:
+            return self.page_size
+        return MESSENGER_PAGE_SIZE if self.mode is Mode.MESSENGER else None
+
+    def describe_transfer(self) -> str:
+        if self.role is Role.COLOCATED:
+            return "colocated (no transfer)"
+        provider = self.transfer_provider
+        return f"mode {self.mode.value}, backend {self.transfer_backend}" + (f"/{provider}" if provider else "")

@@ -16,7 +16,7 @@ class PreflightError(RuntimeError):
 
 def check_ports_free(cfg: LaunchConfig) -> None:
     busy = []
-    for what, port in cfg.ports.all(cfg.role).items():
+    for what, port in cfg.ports.all(cfg.role, cfg.mode).items():
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
@@ -26,7 +26,7 @@ def check_ports_free(cfg: LaunchConfig) -> None:
     if busy:
         raise PreflightError(
             f"port(s) in use on {cfg.host}: {', '.join(busy)}; stop what holds them or pick another "
-            f"--port (the stack uses --port and the six ports above it)"
+            f"--port (the stack uses --port and the seven ports above it)"
         )
 
 

@@ -10,6 +10,7 @@ log tail; ``stop()`` (or leaving the ``with`` block) tears everything down.
 
 from __future__ import annotations
 
+import json
 import tempfile
 import time
 from collections.abc import Callable
@@ -17,12 +18,14 @@ from pathlib import Path
 
 from sglang_disagg.launch.client import RequestError, generate_ids
 from sglang_disagg.launch.commands import router_spec, server_spec
-from sglang_disagg.launch.config import LaunchConfig, Role
+from sglang_disagg.launch.config import LaunchConfig, Mode, Role
 from sglang_disagg.launch.preflight import check_patches_applied, check_ports_free
+from sglang_disagg.messenger.links import REFUSED_MARK
 from sglang_disagg.launch.process import ManagedProcess, StartupError, log_tail
 from sglang_disagg.models import BUILTIN_MODELS, resolve_model_path
 
 Progress = Callable[[str], None]
+LINK_WAIT_S = 20.0
 
 
 class Stack:
@@ -44,7 +47,7 @@ class Stack:
             model_path = resolve_model_path(cfg.model)
             builtin = cfg.model in BUILTIN_MODELS
             roles = [Role.PREFILL, Role.DECODE] if cfg.role is Role.ALL else [cfg.role]
-            servers = [ManagedProcess(server_spec(cfg, r, str(model_path), builtin), log_dir) for r in roles]
+            servers = [ManagedProcess(server_spec(cfg, r, str(model_path), builtin, log_dir), log_dir) for r in roles]
         router = ManagedProcess(router_spec(cfg), log_dir) if cfg.role in (Role.ALL, Role.ROUTER) else None
         return cls(cfg, servers, router, log_dir, model_path)
 
@@ -67,6 +70,8 @@ class Stack:
             for p in self.servers:
                 p.start()
             self._wait(self.servers, deadline, progress)
+            if self.cfg.role is Role.DECODE and self.cfg.mode is Mode.MESSENGER:
+                self._wait_links(min(deadline, time.monotonic() + LINK_WAIT_S), progress)
             if self.router:
                 self.router.start()
                 self._wait([self.router], deadline, progress)
@@ -97,6 +102,27 @@ class Stack:
             if pending:
                 time.sleep(0.5)
 
+    def _wait_links(self, deadline: float, progress: Progress | None) -> None:
+        """A decoder's first contact with its prefill servers: a refusal (different model,
+        incompatible KV layout) stops the start-up with the prefill server's reason; a
+        prefill server that is not up yet is only reported (it may start later)."""
+        links: dict = {}
+        while time.monotonic() < deadline:
+            self.servers[0].check_alive()
+            links = (self.messenger_stats("decode") or {}).get("links", {})
+            states = {v["state"] for v in links.values()}
+            if "ready" in states:
+                if progress:
+                    progress("decoder linked to " + ", ".join(a for a, v in links.items() if v["state"] == "ready"))
+                return
+            if links and states == {"refused"}:
+                raise StartupError("the decoder cannot use its prefill server(s): " + "; ".join(
+                    f"{a}: {v['reason']}" for a, v in links.items()))
+            time.sleep(0.5)
+        if progress:
+            progress("no prefill server reachable yet (" + "; ".join(f"{a}: {v['reason']}" for a, v in links.items())
+                     + "); requests wait for one")
+
     def _wait_routable(self, deadline: float, progress: Progress | None) -> None:
         """The router's /health is green before it has discovered its workers:
         only a real request proves the PD path (router -> prefill + decode) works."""
@@ -105,18 +131,28 @@ class Stack:
             for p in self.processes:
                 p.check_alive()
             try:
-                generate_ids(self.url, [1], 1, timeout=30)
+                # Two tokens: in messenger mode a 1-token prompt never leaves the decoder.
+                generate_ids(self.url, [1, 2], 1, timeout=30)
                 if progress:
                     progress(f"router routes requests on {self.url}")
                 return
             except (RequestError, OSError) as e:
                 last_err = str(e)
+                if REFUSED_MARK in last_err:  # first contact refused: retrying cannot help
+                    raise StartupError(f"the decoder cannot use its prefill server: {last_err}") from None
                 time.sleep(1)
         raise StartupError(f"router on {self.url} never routed a request: {last_err}\n" + log_tail(self.router.log_path))
 
     def stop(self) -> None:
         for p in reversed(self.processes):
             p.stop()
+
+    def messenger_stats(self, role: str = "decode") -> dict | None:
+        """The messenger's published counters for `role` (messenger mode), or None."""
+        try:
+            return json.loads((self.log_dir / f"{role}.messenger.json").read_text())
+        except (OSError, ValueError):
+            return None
 
     def dead(self) -> list[ManagedProcess]:
         return [p for p in self.processes if p.poll() is not None]

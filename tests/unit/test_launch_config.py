@@ -6,7 +6,9 @@ import socket
 
 import pytest
 
-from sglang_disagg.launch import LaunchConfig, Role, TransferBackend
+from sglang_disagg.launch import LaunchConfig, Mode, Role
+from sglang_disagg.messenger.config import ENV as MESSENGER_ENV
+from sglang_disagg.messenger.config import MessengerConfig
 from sglang_disagg.launch.__main__ import parse
 from sglang_disagg.launch.commands import router_spec, server_spec
 from sglang_disagg.launch.preflight import PreflightError, check_ports_free
@@ -16,10 +18,10 @@ def _flag(argv, name):
     return argv[argv.index(name) + 1]
 
 
-def test_all_role_ports_and_flags():
-    cfg, smoke = parse(["--role", "all", "--port", "40000", "--transfer-backend", "nixl",
+def test_upstream_all_role_ports_and_flags():
+    cfg, smoke = parse(["--role", "all", "--mode", "upstream", "--port", "40000", "--transfer-backend", "nixl",
                         "--chunked-prefill-size", "64"])
-    assert not smoke and cfg.backend is TransferBackend.NIXL
+    assert not smoke and cfg.mode is Mode.UPSTREAM and cfg.transfer_backend == "nixl"
     prefill = server_spec(cfg, Role.PREFILL, "/m", builtin=True)
     decode = server_spec(cfg, Role.DECODE, "/m", builtin=True)
     assert _flag(prefill.argv, "--port") == "40001" and _flag(decode.argv, "--port") == "40002"
@@ -34,6 +36,48 @@ def test_all_role_ports_and_flags():
     assert router.argv[router.argv.index("--prefill") + 1:][:2] == ("http://127.0.0.1:40001", "40003")
     assert _flag(router.argv, "--decode") == "http://127.0.0.1:40002"
     assert dict(prefill.env)["SGLANG_USE_CPU_ENGINE"] == "1"
+    assert MESSENGER_ENV not in dict(prefill.env)
+
+
+def test_messenger_is_the_default_mode():
+    cfg, _ = parse(["--role", "all", "--port", "40000", "--chunked-prefill-size", "64"])
+    assert cfg.mode is Mode.MESSENGER and cfg.transfer_backend == "libfabric" and cfg.transfer_provider == "shm"
+    prefill = server_spec(cfg, Role.PREFILL, "/m", builtin=True)
+    decode = server_spec(cfg, Role.DECODE, "/m", builtin=True)
+    for spec, role in ((prefill, "prefill"), (decode, "decode")):
+        env = dict(spec.env)
+        assert env["SGLANG_USE_HND_KVCACHE"] == "1"
+        assert _flag(spec.argv, "--page-size") == "16" and "--disable-overlap-schedule" in spec.argv
+        assert "--disaggregation-mode" not in spec.argv  # SGLang's own PD path is not used
+        mc = MessengerConfig.from_json(env[MESSENGER_ENV])
+        assert mc.role.value == role and mc.backend == "libfabric" and mc.provider == "shm"
+    assert MessengerConfig.from_json(dict(prefill.env)[MESSENGER_ENV]).port == 40003
+    assert MessengerConfig.from_json(dict(decode.env)[MESSENGER_ENV]).prefill == ("127.0.0.1:40003",)
+    router = router_spec(cfg)
+    assert "--pd-disaggregation" not in router.argv
+    assert _flag(router.argv, "--worker-urls") == "http://127.0.0.1:40002"  # decoders only
+
+
+def test_messenger_backends_come_from_the_registry():
+    cfg, _ = parse(["--role", "all", "--backend", "nixl"])
+    assert cfg.transfer_backend == "nixl" and cfg.transfer_provider is None
+    with pytest.raises(ValueError, match="transfer backends are"):
+        LaunchConfig(role=Role.ALL, model="tiny-llama", backend="carrier-pigeon")
+    with pytest.raises(ValueError, match="--provider is a libfabric setting"):
+        LaunchConfig(role=Role.ALL, model="tiny-llama", backend="nixl", provider="tcp")
+    cross = LaunchConfig(role=Role.DECODE, model="tiny-llama", prefill_messengers=("10.0.0.1:30003",))
+    assert cross.transfer_provider == "tcp"  # shm cannot cross machines
+
+
+def test_each_server_gets_threads_for_its_cores(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    cfg = LaunchConfig(role=Role.ALL, model="tiny-llama", prefill_tp=2)
+    prefill = dict(server_spec(cfg, Role.PREFILL, "/m", builtin=True).env)
+    decode = dict(server_spec(cfg, Role.DECODE, "/m", builtin=True).env)
+    assert prefill["OMP_NUM_THREADS"] == "2" and prefill["SGLANG_CPU_OMP_THREADS_BIND"] == "0-1|2-3"
+    assert decode["OMP_NUM_THREADS"] == "4"
+    colocated = LaunchConfig(role=Role.COLOCATED, model="tiny-llama")
+    assert dict(server_spec(colocated, Role.COLOCATED, "/m", builtin=True).env)["OMP_NUM_THREADS"] == "8"
 
 
 def test_tp2_binds_one_core_set_per_rank():
@@ -44,7 +88,7 @@ def test_tp2_binds_one_core_set_per_rank():
 
 
 def test_router_role_takes_remote_workers():
-    cfg, _ = parse(["--role", "router", "--prefill-url", "http://10.0.0.1:30001@9000",
+    cfg, _ = parse(["--role", "router", "--mode", "upstream", "--prefill-url", "http://10.0.0.1:30001@9000",
                     "--decode-url", "http://10.0.0.2:30002"])
     argv = router_spec(cfg).argv
     i = argv.index("--prefill")
@@ -52,8 +96,11 @@ def test_router_role_takes_remote_workers():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"role": Role.ROUTER}, "needs at least one --prefill-url"),
-    ({"role": Role.ALL, "backend": TransferBackend.FAKE}, "fake only works for --role decode"),
+    ({"role": Role.ROUTER, "mode": Mode.UPSTREAM}, "needs at least one --prefill-url"),
+    ({"role": Role.ROUTER}, "needs at least one --decode-url"),
+    ({"role": Role.DECODE}, "needs at least one --prefill-messenger"),
+    ({"role": Role.ALL, "mode": Mode.UPSTREAM, "backend": "fake"}, "fake only works for --role decode"),
+    ({"role": Role.ALL, "mode": Mode.UPSTREAM, "backend": "libfabric"}, "upstream mode takes"),
     ({"role": Role.ALL, "port": 80}, "must be in 1024"),
     ({"role": Role.ALL, "prefill_tp": 0}, "must be >= 1"),
     ({"role": Role.ALL, "prefill_tp": 64}, "exceeds the"),
