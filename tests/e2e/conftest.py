@@ -1,23 +1,27 @@
 """Shared real SGLang stacks for the end-to-end tests.
 
-Starting an SGLang server costs 20-60 s on this 2-core machine, so each
-configuration is started once per module (pytest groups the parametrized
-tests by stack) and the colocated references are computed once per session.
-Every server runs float32 with the same chunked-prefill size, so any
-difference in tokens is a difference in the KV the decoder attended to.
+Starting an SGLang server costs 20-60 s on this 2-core machine, so stacks are shared:
+``stacks.get(StackSpec(...))`` returns a running stack for that configuration, started on
+first use; one stack lives at a time (a new configuration stops the previous one), and
+tests that share a configuration run back to back. The colocated references are
+computed once per session and model. Every server runs float32 with the same
+chunked-prefill size, so any difference in tokens is a difference in the KV the decoder
+attended to.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import os
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from sglang_disagg.launch import LaunchConfig, Role, Stack, TransferBackend
-from sglang_disagg.launch.client import generate_ids
+from sglang_disagg.launch import LaunchConfig, Mode, Role, Stack
+from sglang_disagg.launch.client import generate_ids, post_json
 from sglang_disagg.models import ensure_model
 
 CHUNK = 64  # chunked-prefill size: the long prompt below spans 3 chunks
@@ -28,7 +32,8 @@ _ports = itertools.count(int(os.environ.get("SGLANG_DISAGG_TEST_PORT", "31000"))
 
 
 def prompts_for(model: str) -> list[list[int]]:
-    """Six prompts: one token, short chat-like texts, and one longer than a prefill chunk."""
+    """One token, two tokens, short chat-like texts, one longer than a prefill chunk, one
+    sharing that long prompt's first chunk, and the long prompt again (radix caches)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(ensure_model(model)))
@@ -38,16 +43,17 @@ def prompts_for(model: str) -> list[list[int]]:
         "zou bai kou",
         "The quick brown fox jumps over the lazy dog. " * 2,
     ]
-    ids = [[1]]  # a 1-token prompt: just <|bos|>
+    ids = [[1], [1, 9]]  # a 1-token prompt (never leaves the decoder) and a 2-token one
     ids += [tok(t)["input_ids"] for t in texts]
     long = tok(" ".join(f"word{i} gou bai" for i in range(60)))["input_ids"][: CHUNK * 2 + 37]
     assert len(long) > CHUNK * 2, "long prompt must span several prefill chunks"
-    ids.append(long)
+    shared = long[: CHUNK + 5] + tok(" a different ending for a shared prefix")["input_ids"][1:]
+    ids += [long, shared, list(long)]
     return ids
 
 
-def run_sequential(url: str, prompts: list[list[int]]) -> list[list[int]]:
-    return [generate_ids(url, p, OUTPUT_TOKENS) for p in prompts]
+def run_sequential(url: str, prompts: list[list[int]], **extra) -> list[list[int]]:
+    return [generate_ids(url, p, OUTPUT_TOKENS, **extra) for p in prompts]
 
 
 def run_concurrent(url: str, prompts: list[list[int]]) -> list[list[int]]:
@@ -55,32 +61,97 @@ def run_concurrent(url: str, prompts: list[list[int]]) -> list[list[int]]:
         return list(pool.map(lambda p: generate_ids(url, p, OUTPUT_TOKENS), prompts))
 
 
-def start_stack(tmp_root: Path, role: Role, model: str, backend: TransferBackend = TransferBackend.MOONCAKE,
-                prefill_tp: int = 1, decode_tp: int = 1, env: dict[str, str] | None = None) -> Stack:
+def assert_same(got: list[list[int]], expected: list[list[int]], prompts: list[list[int]]) -> None:
+    assert all(len(g) == OUTPUT_TOKENS for g in got)
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert g == e, f"prompt {i} ({len(prompts[i])} tokens): disaggregated {g} != colocated {e}"
+
+
+@dataclass(frozen=True)
+class StackSpec:
+    role: Role = Role.ALL
+    model: str = "tiny-llama"
+    mode: Mode = Mode.MESSENGER
+    backend: str | None = None
+    provider: str | None = None
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    env: tuple[tuple[str, str], ...] = field(default=())
+
+    @property
+    def label(self) -> str:
+        return (f"{self.role.value}-{self.mode.value}-{self.backend or 'default'}-{self.provider or ''}-"
+                f"{self.model}-tp{self.prefill_tp}{self.decode_tp}")
+
+
+def start_stack(tmp_root: Path, spec: StackSpec, **kwargs) -> Stack:
     port = next(_ports)
     cfg = LaunchConfig(
-        role=role, model=model, port=port, backend=backend, prefill_tp=prefill_tp, decode_tp=decode_tp,
-        max_total_tokens=4096, extra_args=COMMON_ARGS, env=tuple((env or {}).items()),
-        log_dir=str(tmp_root / f"{role.value}-{model}-{backend.value}-{prefill_tp}{decode_tp}-{port}"),
+        role=spec.role, model=spec.model, port=port, mode=spec.mode, backend=spec.backend, provider=spec.provider,
+        prefill_tp=spec.prefill_tp, decode_tp=spec.decode_tp, max_total_tokens=4096, extra_args=COMMON_ARGS,
+        env=spec.env, log_dir=str(tmp_root / f"{spec.label}-{port}"), **kwargs,
     )
     stack = Stack.for_config(cfg)
     stack.start()
     return stack
 
 
+class StackPool:
+    """At most one live stack; asking for another configuration stops the current one."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.spec: StackSpec | None = None
+        self.stack: Stack | None = None
+
+    def get(self, spec: StackSpec) -> Stack:
+        if self.spec != spec or self.stack is None or self.stack.dead():
+            self.close()
+            self.stack, self.spec = start_stack(self.root, spec), spec
+        return self.stack
+
+    def close(self) -> None:
+        if self.stack is not None:
+            self.stack.stop()
+        self.stack = self.spec = None
+
+
+@pytest.fixture(scope="session")
+def stacks(tmp_path_factory):
+    pool = StackPool(tmp_path_factory.mktemp("stacks"))
+    yield pool
+    pool.close()
+
+
+JSON_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                                "size": {"type": "integer"}}, "required": ["name", "size"]}
+
+
+def structured(url: str, prompt: list[int]) -> dict:
+    """A JSON-schema constrained greedy request (EOS allowed: the grammar may end it)."""
+    return post_json(f"{url}/generate", {"input_ids": prompt, "sampling_params": {
+        "max_new_tokens": 48, "temperature": 0.0, "json_schema": json.dumps(JSON_SCHEMA)}})
+
+
 @pytest.fixture(scope="session")
 def references(tmp_path_factory):
-    """Greedy outputs of one colocated server per model, computed on first use."""
+    """Greedy outputs of one colocated server per model (plain prompts, then a structured
+    request on the longest prompt), computed on first use."""
     cache: dict[str, tuple[list[list[int]], list[list[int]]]] = {}
 
     def get(model: str) -> tuple[list[list[int]], list[list[int]]]:
         if model not in cache:
             prompts = prompts_for(model)
-            stack = start_stack(tmp_path_factory.mktemp("ref"), Role.COLOCATED, model)
+            stack = start_stack(tmp_path_factory.mktemp("ref"), StackSpec(role=Role.COLOCATED, model=model))
             try:
-                cache[model] = (prompts, run_sequential(stack.url, prompts))
+                outputs = run_sequential(stack.url, prompts)
+                structured_refs[model] = structured(stack.url, prompts[-1])
+                cache[model] = (prompts, outputs)
             finally:
                 stack.stop()
         return cache[model]
 
     return get
+
+
+structured_refs: dict[str, dict] = {}

@@ -1,48 +1,50 @@
-"""Token-exact equivalence: router -> prefill + decode gives exactly the greedy
-tokens of one colocated server, for both upstream transfer backends, another
-architecture, and prefill TP 2 -> decode TP 1."""
+"""Token-exact equivalence: router -> decode (-> prefill through the messenger) gives
+exactly the greedy tokens of one colocated server, on every transfer backend, with
+prefill TP 2 -> decode TP 1 and 1 -> 2, on two architectures; and SGLang's own PD path
+(upstream mode, the comparison baseline) does too."""
 
 from __future__ import annotations
 
 import pytest
 
-from sglang_disagg.launch import Role, TransferBackend
+from sglang_disagg.launch import Mode
 
-from .conftest import OUTPUT_TOKENS, run_concurrent, run_sequential, start_stack
+from .conftest import StackSpec, assert_same, run_concurrent, run_sequential
 
 pytestmark = pytest.mark.e2e
 
-# (backend, model, prefill TP, decode TP)
 CONFIGS = [
-    pytest.param((TransferBackend.MOONCAKE, "tiny-llama", 1, 1), id="mooncake-llama-tp1-tp1"),
-    pytest.param((TransferBackend.NIXL, "tiny-llama", 1, 1), id="nixl-llama-tp1-tp1"),
-    pytest.param((TransferBackend.MOONCAKE, "tiny-llama", 2, 1), id="mooncake-llama-tp2-tp1"),
-    pytest.param((TransferBackend.NIXL, "tiny-qwen3", 1, 1), id="nixl-qwen3-tp1-tp1"),
+    pytest.param(StackSpec(backend="libfabric", provider="tcp"), id="messenger-libfabric-tcp"),
+    pytest.param(StackSpec(backend="nixl"), id="messenger-nixl"),
+    pytest.param(StackSpec(backend="mooncake"), id="messenger-mooncake"),
+    pytest.param(StackSpec(backend="libfabric", provider="shm", prefill_tp=2), id="messenger-shm-tp2-tp1"),
+    pytest.param(StackSpec(backend="libfabric", provider="shm", decode_tp=2), id="messenger-shm-tp1-tp2"),
+    pytest.param(StackSpec(backend="nixl", model="tiny-qwen3"), id="messenger-nixl-qwen3"),
+    pytest.param(StackSpec(mode=Mode.UPSTREAM, backend="mooncake"), id="upstream-mooncake"),
+    # Last, so that test_messenger.py reuses this stack (the launcher's default).
+    pytest.param(StackSpec(backend="libfabric", provider="shm"), id="messenger-libfabric-shm"),
 ]
 
 
 @pytest.fixture(scope="module", params=CONFIGS)
-def pd(request, tmp_path_factory, references):
-    backend, model, ptp, dtp = request.param
-    prompts, expected = references(model)
-    stack = start_stack(tmp_path_factory.mktemp("pd"), Role.ALL, model, backend, ptp, dtp)
-    yield stack, prompts, expected
-    stack.stop()
-
-
-def _assert_same(got: list[list[int]], expected: list[list[int]], prompts: list[list[int]]) -> None:
-    assert all(len(g) == OUTPUT_TOKENS for g in got)
-    for i, (g, e) in enumerate(zip(got, expected)):
-        assert g == e, f"prompt {i} ({len(prompts[i])} tokens): disaggregated {g} != colocated {e}"
+def pd(request, stacks, references):
+    spec: StackSpec = request.param
+    prompts, expected = references(spec.model)
+    return stacks.get(spec), prompts, expected
 
 
 def test_sequential_matches_colocated(pd):
     stack, prompts, expected = pd
-    _assert_same(run_sequential(stack.url, prompts), expected, prompts)
+    assert_same(run_sequential(stack.url, prompts), expected, prompts)
 
 
 def test_concurrent_matches_colocated(pd):
     stack, prompts, expected = pd
-    _assert_same(run_concurrent(stack.url, prompts), expected, prompts)
-    # Nothing broke under concurrency: the stack still serves.
-    assert not stack.dead()
+    assert_same(run_concurrent(stack.url, prompts), expected, prompts)
+    assert not stack.dead()  # nothing broke under concurrency
+    if stack.cfg.mode is Mode.MESSENGER:
+        stats = stack.messenger_stats("decode")
+        # Every prompt of 2+ tokens went through a prefill server; none failed or leaked.
+        assert stats["requests_failed"] == 0 and stats["pages_quarantined"] == 0
+        assert stats["requests_carried"] >= 2 * (len(prompts) - 1)
+        assert sum(stats["in_flight"].values()) == 0

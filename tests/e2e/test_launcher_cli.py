@@ -17,12 +17,31 @@ def _launch(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout)
 
 
-def test_role_all_smoke_prints_a_completion(tmp_path):
+def test_role_all_smoke_runs_through_the_messenger_by_default(tmp_path):
     r = _launch("--role", "all", "--smoke", "--port", str(next(_ports)), "--log-dir", str(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "router routes requests" in r.stdout
     assert "completion (32 tokens" in r.stdout
-    # both servers really took part: the router sent the chat request to each
+    # The launcher says which mode and backend carried the request, from the decoder's counters.
+    carried = next(line for line in r.stdout.splitlines() if "carried by:" in line)
+    assert "mode messenger, backend libfabric/shm" in carried
+    assert "0 request(s)" not in carried and "KV writes received" in carried
+    # The router talks to the decoder only; the prefill server got work from its messenger.
+    decode_log = (tmp_path / "decode.log").read_text(errors="replace")
+    prefill_log = (tmp_path / "prefill.log").read_text(errors="replace")
+    assert '"POST /v1/chat/completions HTTP/1.1" 200' in decode_log
+    assert "/v1/chat/completions" not in prefill_log
+    assert "Prefill batch" in prefill_log
+    # Every port the stack opened is listed with its purpose.
+    assert "prefill messenger" in r.stdout and "decode server" in r.stdout
+
+
+def test_upstream_mode_smoke(tmp_path):
+    r = _launch("--role", "all", "--mode", "upstream", "--smoke", "--port", str(next(_ports)),
+                "--log-dir", str(tmp_path))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "carried by: mode upstream, backend mooncake" in r.stdout
+    # SGLang's own PD path: the router sent the chat request to both servers.
     for role in ("prefill", "decode"):
         log = (tmp_path / f"{role}.log").read_text(errors="replace")
         assert '"POST /v1/chat/completions HTTP/1.1" 200' in log, f"{role} never served the completion"
