@@ -3,8 +3,10 @@
     python benchmarks/transfer.py --out DIR [--quick] [--backends libfabric:shm,nixl] [--workloads page-1M]
 
 Writes DIR/transfer.json (rows: backend, provider, workload, page_bytes, gbps, writes_per_s,
-p50_ms, p99_ms, ...; top level: memcpy_gbps, tcp_loopback_gbps measured in the same run)
-and DIR/transfer.png. Each backend runs as a writer process and a reader process; the
+p50_ms, p99_ms, ...; top level: memcpy_gbps (one stream) and memcpy_256k_pages_gbps (scattered
+pages, the physical limit of the page workloads), tcp_loopback_gbps, measured in the same run)
+and DIR/transfer.png (process_vm_writev_gbps too: one-copy writes into another process, the
+mechanism under libfabric shm). Each backend runs as a writer process and a reader process; the
 "raw" rows are our libfabric shim posting and polling in a C loop, with no Python per
 batch, on the same provider, to show what the Python layer costs.
 """
@@ -24,13 +26,14 @@ from pathlib import Path
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from transfer_limits import memcpy_gbps, tcp_loopback_gbps  # noqa: E402
+from transfer_limits import (memcpy_gbps, memcpy_pages_gbps, process_vm_writev_gbps,  # noqa: E402
+                             tcp_loopback_gbps)
 from transfer_workloads import region_bytes, workloads  # noqa: E402
 
 from sglang_disagg.backends import available  # noqa: E402
 
 HERE = Path(__file__).parent
-TARGETS = [("libfabric", "shm"), ("libfabric", "tcp"), ("nixl", None), ("mooncake", None)]
+TARGETS = [("libfabric", "shm"), ("libfabric", "tcp"), ("nixl", None), ("mooncake", None), ("shmem", None)]
 ENV = {**os.environ, "UCX_NET_DEVICES": "lo", "GLOG_minloglevel": "2", "NIXL_LOG_LEVEL": "WARN"}
 
 
@@ -87,7 +90,7 @@ def run_target(backend: str, provider: str | None, wls: list, args, bar) -> list
                     continue
                 total = sum(lat)
                 rows.append({
-                    "backend": name, "provider": provider or {"nixl": "ucx", "mooncake": "tcp"}[backend],
+                    "backend": name, "provider": provider or {"nixl": "ucx", "mooncake": "tcp", "shmem": "memfd"}[backend],
                     "workload": w.name, "kind": w.kind, "layout": w.layout or None,
                     "page_bytes": w.page_bytes, "write_bytes": r["bytes"] // r["writes"],
                     "writes_per_request": r["writes"], "batches_per_request": r["batches"],
@@ -118,8 +121,14 @@ def plot(result: dict, path: Path) -> None:
         vals = {r["workload"]: r["gbps"] for r in rows if f"{r['backend']}/{r['provider']}" == s}
         ax.bar([j + i * width for j in range(len(names))], [vals.get(n, 0) for n in names], width, label=s)
     ax.axhline(result["memcpy_gbps"], color="k", ls="--", lw=1, label=f"memcpy {result['memcpy_gbps']:.1f}")
+    if "memcpy_256k_pages_gbps" in result:
+        ax.axhline(result["memcpy_256k_pages_gbps"], color="k", ls=":", lw=1,
+                   label=f"memcpy 256K pages {result['memcpy_256k_pages_gbps']:.1f}")
     ax.axhline(result["tcp_loopback_gbps"], color="gray", ls=":", lw=1,
                label=f"TCP loopback {result['tcp_loopback_gbps']:.1f}")
+    if "process_vm_writev_gbps" in result:
+        ax.axhline(result["process_vm_writev_gbps"], color="brown", ls="-.", lw=1,
+                   label=f"process_vm_writev {result['process_vm_writev_gbps']:.1f}")
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names, rotation=30, ha="right")
     ax.set_ylabel("GB/s")
     ax.set_title("KV transfer bandwidth by backend (loopback, one writer, one reader)")
@@ -157,11 +166,15 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"host": platform.node(), "cpus": os.cpu_count(), "quick": args.quick,
               "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "skipped": skipped}
-    with tqdm(total=len(usable) * len(wls) + 2, desc="transfer bench", unit="cell") as bar:
+    with tqdm(total=len(usable) * len(wls) + 4, desc="transfer bench", unit="cell") as bar:
         size = (args.limits_mib or (64 if args.quick else 256)) << 20
         result["memcpy_gbps"] = memcpy_gbps(size)
         bar.update(1)
+        result["memcpy_256k_pages_gbps"] = memcpy_pages_gbps(size)
+        bar.update(1)
         result["tcp_loopback_gbps"] = tcp_loopback_gbps(size)
+        bar.update(1)
+        result["process_vm_writev_gbps"] = process_vm_writev_gbps(size)
         bar.update(1)
         rows = []
         for b, p in usable:
@@ -173,7 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         tqdm.write(f"{r['backend']:>16} {r['provider']:>5} {r['workload']:>20}  {r['gbps']:6.2f} GB/s  "
                    f"{r['writes_per_s']:10.0f} writes/s  p50 {r['p50_ms']:8.2f} ms  p99 {r['p99_ms']:8.2f} ms")
-    tqdm.write(f"memcpy {result['memcpy_gbps']:.2f} GB/s, TCP loopback {result['tcp_loopback_gbps']:.2f} GB/s")
+    tqdm.write(f"memcpy {result['memcpy_gbps']:.2f} GB/s (256 KiB scattered pages "
+               f"{result['memcpy_256k_pages_gbps']:.2f}), TCP loopback {result['tcp_loopback_gbps']:.2f} GB/s, "
+               f"process_vm_writev {result['process_vm_writev_gbps']:.2f} GB/s")
     return 0
 
 

@@ -38,7 +38,10 @@ class Bench:
         return {}
 
     def alloc(self, size: int) -> dict:
-        m = mmap.mmap(-1, size)
+        fd = os.memfd_create("transfer-bench")  # shared memory, as KV pools in messenger mode
+        os.ftruncate(fd, size)
+        m = mmap.mmap(fd, size)
+        os.close(fd)
         m.write(b"\x5a" * size)  # fault every page in before timing
         region, desc = self.be.register(ctypes.addressof(ctypes.c_char.from_buffer(m)), size)
         self.mem[region.id] = (m, region)

@@ -85,6 +85,20 @@ def messenger() -> Any:
     return _messenger
 
 
+def kv_zeros(shape: Any, dtype: Any, device: Any) -> Any:
+    """The KV pool's buffers: in messenger mode on CPU, zeroed shared memory (a memfd) that
+    a same-host peer can map and write (shmem backend); plain torch.zeros otherwise."""
+    import torch
+
+    from sglang_disagg.messenger.config import ENV
+
+    if str(device) == "cpu" and os.environ.get(ENV):
+        from sglang_disagg.shm import shared_zeros
+
+        return shared_zeros(tuple(shape), dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 def scheduler_ready(scheduler: Any) -> None:
     """End of Scheduler.__init__ (every TP rank): start the messenger for this role."""
     global _messenger, _waiter
@@ -163,6 +177,13 @@ def wait_while_busy(scheduler: Any) -> None:
     if _messenger is None or _waiter is None or _messenger.has_leader_work():
         return
     _waiter.poll(50 if _messenger.ranks.size == 1 else 2)
+
+
+def before_forward(scheduler: Any, batch: Any) -> None:
+    """A forward is about to run: prefill announces the chunks it computes, so that each
+    layer's pages are written while the forward continues."""
+    if _messenger is not None and batch.forward_mode.is_extend():
+        _messenger.before_forward(batch)
 
 
 def after_forward(scheduler: Any, batch: Any) -> None:

@@ -30,6 +30,7 @@ _BUILTIN = {
     "libfabric": "sglang_disagg.backends.libfabric.backend:LibfabricBackend",
     "nixl": "sglang_disagg.backends.nixl:NixlBackend",
     "mooncake": "sglang_disagg.backends.mooncake:MooncakeBackend",
+    "shmem": "sglang_disagg.backends.shmem:ShmemBackend",
 }
 _registry: dict[str, str] = dict(_BUILTIN)
 _lock = threading.Lock()

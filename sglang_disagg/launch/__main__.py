@@ -42,6 +42,9 @@ def parse(argv: list[str]) -> tuple[LaunchConfig, bool]:
     ap.add_argument("--page-size", type=int, default=None, help="KV page size in tokens (messenger default 16)")
     ap.add_argument("--prefill-messenger", action="append", default=[],
                     help="decode role, messenger mode: host:port of a prefill server's messenger (repeatable)")
+    ap.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
+                    help="messenger: prefill writes each layer's KV as its forward passes the layer "
+                         "(--no-stream: a chunk's KV after its forward)")
     ap.add_argument("--transfer-timeout", type=float, default=60.0,
                     help="messenger: seconds a decoder waits for a request's KV before failing it")
     ap.add_argument("--device", default="cpu")
@@ -66,7 +69,7 @@ def parse(argv: list[str]) -> tuple[LaunchConfig, bool]:
         decode_tp=decode_tp, dtype=args.dtype, max_total_tokens=args.max_total_tokens, page_size=args.page_size,
         prefill_urls=tuple(args.prefill_url), decode_urls=tuple(args.decode_url),
         prefill_messengers=tuple(args.prefill_messenger), extra_args=tuple(extra), log_dir=args.log_dir,
-        startup_timeout_s=args.startup_timeout, transfer_timeout_s=args.transfer_timeout,
+        startup_timeout_s=args.startup_timeout, transfer_timeout_s=args.transfer_timeout, stream=args.stream,
     )
     return cfg, args.smoke
 

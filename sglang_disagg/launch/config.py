@@ -115,6 +115,7 @@ class LaunchConfig:
     log_dir: str | None = None
     startup_timeout_s: float = 300.0
     transfer_timeout_s: float = 60.0
+    stream: bool = True  # messenger: write each layer's pages as the prefill forward passes it
     env: tuple[tuple[str, str], ...] = field(default=())
 
     def __post_init__(self) -> None:

@@ -36,7 +36,9 @@ class MessengerConfig:
     """`port`: where a prefill server's messenger listens (decoders connect there; 0 on a
     decoder). `prefill`: the prefill messengers a decoder may use, as host:port.
     `transfer_timeout_s`: how long a decoder waits for a request's KV before failing it.
-    `stats_file`: where the leader publishes its counters as JSON ("" = nowhere)."""
+    `stats_file`: where the leader publishes its counters as JSON ("" = nowhere).
+    `stream`: a prefill server posts each layer's writes as the forward passes that layer
+    (False: a chunk's writes after its forward ends)."""
 
     role: MessengerRole
     backend: str
@@ -48,6 +50,7 @@ class MessengerConfig:
     transfer_timeout_s: float = 60.0
     connect_timeout_s: float = 5.0
     stats_file: str = ""
+    stream: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, MessengerRole):

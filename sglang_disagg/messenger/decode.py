@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from . import wire
 from .config import MessengerConfig
 from .faults import Fault
@@ -63,6 +65,7 @@ class Entry:
     phase: Phase
     since: float
     pages: tuple[int, ...] = ()
+    start_page: int = 0           # pages before it were already in this decoder's radix tree
     tag: int = -1
     link: str = ""
     expected: int = 0             # writes this rank counts
@@ -85,7 +88,7 @@ class DecodeMessenger:
         self._seq = itertools.count()
         self._tags = itertools.count(1)
         self.stats = {"requests_carried": 0, "requests_local": 0, "requests_failed": 0, "writes_received": 0,
-                      "pages_quarantined": 0}
+                      "pages_reused": 0, "pages_quarantined": 0}
         self.links: Links | None = None
         self._inbox: collections.deque[tuple[Any, wire.Message]] = collections.deque()
         if self.ranks.is_leader:
@@ -122,26 +125,41 @@ class DecodeMessenger:
         return ""
 
     def _allocate(self, e: Entry) -> bool:
-        """Pages for the prompt minus its last token, the same on every rank."""
-        sched, req = self.sched, e.req
+        """Pages for the prompt minus its last token, the same on every rank. What this
+        decoder's radix tree already holds of it (earlier turns of a chat) is reused and
+        locked; only the pages after it are allocated and asked of a prefill server."""
+        from sglang.srt.mem_cache.common import match_kv_cache
+
+        sched, req, tree = self.sched, e.req, self.sched.tree_cache
         alloc = sched.token_to_kv_pool_allocator
         ps = self.node.page_size
-        need = pages_for(e.n_tokens, ps) * ps
-        # Keep room for the request's own decode, so admitted requests can run.
-        reserve = min(req.sampling_params.max_new_tokens or 0, 4096) + ps
         if sched.req_to_token_pool.available_size() < 1:
             return False
+        match_kv_cache(req, tree, req.origin_input_ids[:e.n_tokens], max_prefix_len=e.n_tokens)
+        reused = req.prefix_len - req.prefix_len % ps  # whole pages: the transfer unit
+        req.prefix_len = reused
+        req.lock = tree.lock(req.last_node)
+        prefix = tree.prefix_device_indices(req) if reused else None
+        need = (pages_for(e.n_tokens, ps) - reused // ps) * ps
+        # Keep room for the request's own decode, so admitted requests can run.
+        reserve = min(req.sampling_params.max_new_tokens or 0, 4096) + ps
         if alloc.available_size() < need + reserve:
-            alloc.evict_to_free_tokens(sched.tree_cache, need + reserve)
-            if alloc.available_size() < need + reserve:
-                return False
-        slots = alloc.alloc(need)
-        if slots is None:
+            alloc.evict_to_free_tokens(tree, need + reserve)
+        slots = alloc.alloc(need) if alloc.available_size() >= need + reserve else None
+        if slots is None and need:
+            tree.unlock(req.lock)
+            req.lock, req.prefix_len = None, 0
             return False
         sched.req_to_token_pool.alloc([req])
-        sched.req_to_token_pool.write((req.kv.req_pool_idx, slice(0, e.n_tokens)), slots[:e.n_tokens])
+        row = (req.kv.req_pool_idx, slice(0, e.n_tokens))
+        fresh = slots[:e.n_tokens - reused] if need else slots
+        sched.req_to_token_pool.write(row, torch.cat([prefix, fresh]) if reused else fresh)
         req.kv.kv_allocated_len = req.kv.kv_committed_len = e.n_tokens
-        e.pages = tuple(page_ids(slots.tolist(), ps))
+        req.kv.cache_protected_len = reused  # the tree owns [0, reused)
+        pages = page_ids(prefix.tolist(), ps) if reused else []
+        e.pages = tuple(pages + (page_ids(slots.tolist(), ps) if need else []))
+        e.start_page = reused // ps
+        self.stats["pages_reused"] += e.start_page
         return True
 
     # ----- leader decisions ---------------------------------------------------------
@@ -178,16 +196,18 @@ class DecodeMessenger:
             return
         plan = ShardPlan.build(self.node.view.geometry, route.prefill_tp, self.ranks.size)
         me = self.ranks.rank
-        writers = {route.prefill_instances[p.src_rank] for p in plan.pieces if p.dst_rank == me}
+        # With replica sets (MLA) any prefill rank may be drawn as this rank's source.
+        writers = set(route.prefill_instances) if plan.geometry.replicated else {
+            route.prefill_instances[p.src_rank] for p in plan.pieces if p.dst_rank == me}
         e.tag, e.link, e.phase = route.tag, route.link, Phase.TRANSFER
         e.times["route"] = time.monotonic()
-        e.expected = plan.expected(len(e.pages))[me]
-        e.writes = plan.total_writes(len(e.pages))
+        e.expected = plan.expected(len(e.pages) - e.start_page)[me]
+        e.writes = plan.total_writes(len(e.pages) - e.start_page)
         fut = self.backend.expect(e.tag, e.expected, self.cfg.transfer_timeout_s, writers)
         fut.add_done_callback(lambda f, e=e: self._on_expect(e, f))
         if self.ranks.is_leader:
             order = wire.PrefillOrder(rid=e.req.rid, tag=e.tag, token_ids=tuple(e.req.origin_input_ids[:e.n_tokens]),
-                                      dst_pages=e.pages, start_page=0)
+                                      dst_pages=e.pages, start_page=e.start_page)
             try:
                 self.links.links[e.link].send(order)
                 e.times["sent"] = time.monotonic()
@@ -226,6 +246,8 @@ class DecodeMessenger:
             if not self._allocate(e):
                 break  # first come, first served
             e.phase, e.since = Phase.ROUTE, time.monotonic()
+            if e.start_page == len(e.pages):  # the whole prompt is cached here: no prefill
+                e.phase, e.landed = Phase.TRANSFER, True
         if self.ranks.size == 1:
             # A single rank needs no broadcast: route now rather than one iteration later.
             for route in self.leader_inputs():
@@ -280,13 +302,8 @@ class DecodeMessenger:
         req, sched = e.req, self.sched
         del self.entries[e.seq]
         self._settle_link(e)
-        if self.fault is not None:
-            self.fault.apply(self.node.view, e.pages)
-        root = sched.tree_cache.root_node_handle(req.extra_key)
-        req.last_node = req.last_host_node = req.best_match_node = root
-        req.lock = None
-        req.kv.cache_protected_len = req.kv.cache_inserted_len = 0
-        req.host_hit_length = req.num_matched_prefix_tokens = 0
+        if self.fault is not None and e.start_page < len(e.pages):
+            self.fault.apply(self.node.view, e.pages[e.start_page:])  # never the tree's shared pages
         req.prefix_len = e.n_tokens
         setattr(req, HANDOFF_ATTR, e.n_tokens)
         sched.waiting_queue.append(req)
@@ -304,7 +321,8 @@ class DecodeMessenger:
         self.stats["requests_failed"] += 1
         logger.warning("messenger: request %s failed: %s", e.req.rid, reason)
         fail_request(self.sched, e.req, reason)
-        self.backend.retire(e.tag, reason)
+        if e.tag >= 0:
+            self.backend.retire(e.tag, reason)
         e.phase, e.failed = Phase.RELEASE, reason
 
     def _finish_failed(self, e: Entry, reason: str) -> None:
@@ -350,6 +368,9 @@ class DecodeMessenger:
     @staticmethod
     def prefix_tree(req: Any, tree: Any) -> Any:
         return None if getattr(req, HANDOFF_ATTR, None) and req.kv.holds_kv else tree
+
+    def before_forward(self, batch: Any) -> None:
+        """Nothing to send from a decoder."""
 
     def after_forward(self, batch: Any) -> None:
         """Nothing to send from a decoder."""

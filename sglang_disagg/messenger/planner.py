@@ -12,6 +12,11 @@ into pieces, each taken from one prefill rank that holds it; among replicas the 
 taken from the replica ``dst_rank % replicas``, which spreads sources over all ranks and
 pairs ranks one to one when both sides shard alike.
 
+MLA (``replicated=True``): every rank holds the whole latent KV, so every prefill rank is a
+replica of every page; each destination rank takes its copy from one source replica drawn
+at random per request (seeded by the request, so all prefill ranks draw alike), which
+spreads the load over all sources. A latent cache has no separate V (``v_head_dim=0``).
+
 Layout: with HND ([page, head, slot, dim]) a piece of a page is one contiguous range, so
 it moves with ONE write. With NHD ([slot, head, dim] rows) it is one range per slot unless
 whole pages line up (same heads on both sides); NHD is planned only to count what the
@@ -21,6 +26,7 @@ token-slot layout costs.
 from __future__ import annotations
 
 import enum
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -46,14 +52,23 @@ class KVGeometry:
     page_size: int
     dtype_bytes: int
     layout: Layout = Layout.HND
+    replicated: bool = False  # MLA: every rank holds all of it
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "kv_heads", "head_dim", "v_head_dim", "page_size", "dtype_bytes"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"KVGeometry.{name} must be a positive int, got {value!r}")
+            least = 0 if name == "v_head_dim" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"KVGeometry.{name} must be an int >= {least}, got {value!r}")
         if not isinstance(self.layout, Layout):
             raise ValueError(f"KVGeometry.layout must be a Layout, got {self.layout!r}")
+
+    @property
+    def kinds(self) -> tuple[Kind, ...]:
+        return (Kind.K, Kind.V) if self.v_head_dim else (Kind.K,)
+
+    def heads(self, tp: int, rank: int) -> range:
+        return range(self.kv_heads) if self.replicated else rank_heads(self.kv_heads, tp, rank)
 
     def dim(self, kind: Kind) -> int:
         return self.head_dim if kind is Kind.K else self.v_head_dim
@@ -88,16 +103,20 @@ class Piece:
     num_heads: int
 
 
-def shard_pieces(kv_heads: int, src_tp: int, dst_tp: int) -> tuple[Piece, ...]:
-    """Every destination head is covered by exactly one piece."""
-    src_ranges = [rank_heads(kv_heads, src_tp, r) for r in range(src_tp)]
+def shard_pieces(kv_heads: int, src_tp: int, dst_tp: int, replicated: bool = False,
+                 rng: random.Random | None = None) -> tuple[Piece, ...]:
+    """Every destination head is covered by exactly one piece. Among the source ranks that
+    hold a head, the replica is `dst % holders` (pairs ranks one to one when both sides
+    shard alike) or, with `rng`, a random one."""
+    full = range(kv_heads)
+    src_ranges = [full if replicated else rank_heads(kv_heads, src_tp, r) for r in range(src_tp)]
     pieces = []
     for dst in range(dst_tp):
-        want = rank_heads(kv_heads, dst_tp, dst)
+        want = full if replicated else rank_heads(kv_heads, dst_tp, dst)
         head = want.start
         while head < want.stop:
             holders = [r for r, held in enumerate(src_ranges) if head in held]
-            src = holders[dst % len(holders)]
+            src = rng.choice(holders) if rng is not None else holders[dst % len(holders)]
             end = min(want.stop, src_ranges[src].stop)
             pieces.append(Piece(src, dst, head, end - head))
             head = end
@@ -140,10 +159,19 @@ class ShardPlan:
     def build(cls, geometry: KVGeometry, src_tp: int, dst_tp: int) -> ShardPlan:
         if src_tp < 1 or dst_tp < 1:
             raise ValueError(f"TP sizes must be >= 1, got prefill {src_tp}, decode {dst_tp}")
-        return cls(geometry, src_tp, dst_tp, shard_pieces(geometry.kv_heads, src_tp, dst_tp))
+        return cls(geometry, src_tp, dst_tp, shard_pieces(geometry.kv_heads, src_tp, dst_tp, geometry.replicated))
+
+    def for_request(self, seed: int) -> ShardPlan:
+        """Replica sets (MLA): this request's random source per destination; every prefill
+        rank derives the same draw from the same seed. Unreplicated plans are returned as is."""
+        if not self.geometry.replicated:
+            return self
+        g = self.geometry
+        return ShardPlan(g, self.src_tp, self.dst_tp,
+                         shard_pieces(g.kv_heads, self.src_tp, self.dst_tp, True, random.Random(seed)))
 
     def heads(self, tp: int, rank: int) -> range:
-        return rank_heads(self.geometry.kv_heads, tp, rank)
+        return self.geometry.heads(tp, rank)
 
     def _slices(self, piece: Piece, kind: Kind) -> list[tuple[int, int, int]]:
         """(src_offset, dst_offset, length) of a piece inside one page."""
@@ -175,7 +203,7 @@ class ShardPlan:
         for piece in self.pieces:
             if src_rank is not None and piece.src_rank != src_rank:
                 continue
-            for kind in Kind:
+            for kind in g.kinds:
                 src_stride = g.page_bytes(kind, len(self.heads(self.src_tp, piece.src_rank)))
                 dst_stride = g.page_bytes(kind, len(self.heads(self.dst_tp, piece.dst_rank)))
                 for layer in layers:
@@ -189,7 +217,7 @@ class ShardPlan:
         per_piece = {Kind.K: 0, Kind.V: 0}
         for piece in self.pieces:
             if piece.dst_rank == dst_rank:
-                for kind in Kind:
+                for kind in self.geometry.kinds:
                     per_piece[kind] += len(self._slices(piece, kind))
         return self.geometry.num_layers * sum(per_piece.values())
 

@@ -22,65 +22,24 @@ import contextlib
 import itertools
 import logging
 import os
-import threading
 import time
 from array import array
-from dataclasses import dataclass, field
 from typing import Any
 
 from . import compat, wire
 from .config import MessengerConfig
 from .inputs import CancelTicket, DecoderJoined, MessengerInput, OrderTicket
+from .faults import ENV as FAULT_ENV
 from .kvpool import post
+from .layers import LayerCounter
 from .node import Node
-from .planner import ShardPlan, pages_for
+from .orders import DecoderLink, Record
+from .planner import ShardPlan, WriteGroup, pages_for
 from .requests import ORDER_ATTR, abort_matches, fail_request, release
+from .stream import Chunk, Streamer, Ticket
 
 logger = logging.getLogger("sglang_disagg.messenger")
 TRACE = os.environ.get("SGLANG_DISAGG_TRACE") == "1"  # one timing line per order, for profiling
-
-
-@dataclass(slots=True, eq=False)
-class DecoderLink:
-    """This rank's view of one decoder: peers and regions of the decode ranks it writes."""
-
-    hello: wire.Hello
-    plan: ShardPlan
-    peers: dict[int, Any] = field(default_factory=dict)
-    remote: dict[int, list[Any]] = field(default_factory=dict)
-    error: str = ""
-
-
-@dataclass(slots=True, eq=False)
-class Record:
-    seq: int
-    rid: str
-    key: str
-    order: wire.PrefillOrder
-    req: Any = None
-    sent: int = 0            # pages posted so far
-    posted: int = 0          # write batches posted (scheduler thread)
-    completed: int = 0       # write batches completed (backend threads, under _lock)
-    failed: str = ""         # this rank: why its writes failed
-    held: bool = False       # finished; waiting for its writes before release
-    checkpoint: bool = False
-    cancelled: bool = False
-    done: bool = False       # released (or never admitted): answer the decoder, forget
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-    times: dict = field(default_factory=dict)
-
-    def on_write_done(self, fut: Any, wakeup: Any) -> None:  # backend thread (or the poster)
-        err = fut.exception()
-        with self._lock:
-            if err is not None and not self.failed:
-                self.failed = f"KV write failed: {err}"
-            self.completed += 1
-        wakeup.set()
-
-    @property
-    def writes_done(self) -> bool:
-        with self._lock:
-            return self.completed == self.posted
 
 
 class PrefillMessenger:
@@ -94,6 +53,13 @@ class PrefillMessenger:
         self._inbox: collections.deque[MessengerInput] = collections.deque()
         self._peers: dict[str, Any] = {}             # leader: decoder key -> control peer
         self.stats = {"orders": 0, "orders_failed": 0, "writes_posted": 0, "pages_sent": 0}
+        self.recent: collections.deque[dict] = collections.deque(maxlen=64)  # finished orders' timelines
+        self.streamer: Streamer | None = None
+        self._ticket: Ticket | None = None
+        if cfg.stream:
+            counter = LayerCounter(scheduler.tp_worker.model_runner.model)
+            early = os.environ.get(FAULT_ENV) == "early_writes"  # negative control: write before the KV exists
+            self.streamer = Streamer(counter, self.node.view.geometry.num_layers, self._post, early=early)
         if self.ranks.is_leader:
             self.node.start_reader(self._on_message)
 
@@ -220,38 +186,74 @@ class PrefillMessenger:
                                       "decode servers only; send requests to a decode server or the router")
         return True
 
-    def after_forward(self, batch: Any) -> None:
-        for req in batch.reqs:
-            rec = getattr(req, ORDER_ATTR, None)
-            if rec is not None and not rec.failed and not rec.held:
-                rec.times.setdefault("forward_start", getattr(batch, "launch_ts", 0.0))
-                self._send(rec, req.extend_end)
+    def before_forward(self, batch: Any) -> None:
+        """The chunks this forward computes: streamed layer by layer as it runs."""
+        if self.streamer is None:
+            return
+        chunks = [c for req in batch.reqs if (c := self._chunk(req, by_layer=True)) is not None]
+        self._ticket = self.streamer.submit(chunks) if chunks else None
 
-    def _send(self, rec: Record, done_tokens: int) -> None:
+    def after_forward(self, batch: Any) -> None:
+        now = time.monotonic()
+        if self.streamer is None:
+            for req in batch.reqs:
+                chunk = self._chunk(req, by_layer=False)
+                if chunk is not None:
+                    chunk.rec.times["forward_end"] = now
+                    self._post(chunk, chunk.ready)
+            return
+        ticket, self._ticket = self._ticket, None
+        if ticket is not None:
+            for c in ticket.chunks:
+                c.rec.times["forward_end"] = now
+            if not self.streamer.wait(ticket):
+                for c in ticket.chunks:
+                    c.rec.failed = c.rec.failed or "the layer streamer did not finish this forward"
+
+    def _chunk(self, req: Any, by_layer: bool) -> Chunk | None:
+        """The pages `req` has complete once the current forward ends, not written yet, as
+        write groups: per layer when streaming (pages of a cached prefix exist already)."""
+        rec = getattr(req, ORDER_ATTR, None)
+        if rec is None or rec.failed or rec.held:
+            return None
         ps, o = self.node.page_size, rec.order
         total = len(o.token_ids)
-        upto = pages_for(total, ps) if done_tokens >= total else done_tokens // ps
+        upto = pages_for(total, ps) if req.extend_end >= total else req.extend_end // ps
         if upto <= rec.sent:
-            return
-        link = self.decoders[rec.key]
-        row = self.sched.req_to_token_pool.req_to_token[rec.req.kv.req_pool_idx]
-        src_pages = (row[rec.sent * ps:upto * ps:ps] // ps).tolist()
-        dst_pages = o.dst_pages[rec.sent:upto]
-        wakeup = self.node.wakeup
-        try:
-            for g in link.plan.groups(src_pages, dst_pages, src_rank=self.ranks.rank):
-                fut = post(self.backend, link.peers[g.dst_rank], g, self.node.regions, link.remote[g.dst_rank],
-                           o.tag)
-                with rec._lock:
-                    rec.posted += 1
-                self.stats["writes_posted"] += g.writes
-                fut.add_done_callback(lambda f, rec=rec: rec.on_write_done(f, wakeup))
-        except Exception as e:  # noqa: BLE001 - the order fails; posted writes still drain
-            rec.failed = f"posting KV writes failed: {e}"
+            return None
+        plan = self.decoders[rec.key].plan.for_request(o.tag)  # MLA: this request's source replicas
+        row = self.sched.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+        first, cached = rec.sent, max(rec.sent, min(upto, req.prefix_len // ps))
+        chunk = Chunk(rec)
+        me = self.ranks.rank
+        if cached > first or not by_layer:
+            end = cached if by_layer else upto
+            chunk.ready = plan.groups((row[first * ps:end * ps:ps] // ps).tolist(), o.dst_pages[first:end],
+                                      src_rank=me)
+        if by_layer and upto > cached:
+            for g in plan.groups((row[cached * ps:upto * ps:ps] // ps).tolist(), o.dst_pages[cached:upto],
+                                 src_rank=me):
+                chunk.by_layer.setdefault(g.layer, []).append(g)
         self.stats["pages_sent"] += upto - rec.sent
         rec.sent = upto
-        rec.times.setdefault("first_post", time.monotonic())
-        rec.times["last_post"] = time.monotonic()
+        rec.times.setdefault("forward_start", time.monotonic())
+        return chunk
+
+    def _post(self, chunk: Chunk, groups: list[WriteGroup]) -> None:
+        """Post write groups of one order (scheduler thread or streamer thread)."""
+        rec = chunk.rec
+        link = self.decoders[rec.key]
+        wakeup = self.node.wakeup
+        try:
+            for g in groups:
+                fut = post(self.backend, link.peers[g.dst_rank], g, self.node.regions, link.remote[g.dst_rank],
+                           rec.order.tag)
+                rec.posted_one()
+                self.stats["writes_posted"] += g.writes
+                layer = None if groups is chunk.ready else g.layer  # streamed groups time the layers
+                fut.add_done_callback(lambda f, layer=layer: rec.on_write_done(f, layer, wakeup))
+        except Exception as e:  # noqa: BLE001 - the order fails; posted writes still drain
+            rec.failed = f"posting KV writes failed: {e}"
 
     def hold_release(self, req: Any, checkpoint: bool) -> bool:
         rec = getattr(req, ORDER_ATTR, None)
@@ -278,10 +280,15 @@ class PrefillMessenger:
             self.node.stats_file.publish(self.snapshot)
 
     def snapshot(self) -> dict:
-        return self.node.describe(self.sched) | self.stats | {"decoders": len(self.decoders), "in_flight": len(self.records)}
+        return self.node.describe(self.sched) | self.stats | {
+            "decoders": len(self.decoders), "in_flight": len(self.records), "streaming": self.streamer is not None,
+            "recent": list(self.recent)}
 
     def _finish(self, rec: Record, failed: bool) -> None:
         rec.done = True
+        rec.times["released"] = time.monotonic()
+        self.recent.append({"rid": rec.order.rid, "tag": rec.order.tag, "tokens": len(rec.order.token_ids),
+                            "failed": failed} | rec.times)
         if TRACE:
             t = rec.times | {"release": time.monotonic()}
             logger.info("messenger trace %s: admit at %.4f (monotonic), %d tokens; ms since admit: %s", rec.rid,
@@ -327,4 +334,6 @@ class PrefillMessenger:
         return bool(self._inbox)
 
     def close(self) -> None:
+        if self.streamer is not None:
+            self.streamer.close()
         self.node.close()

@@ -59,13 +59,17 @@ def _weights(spec: ModelSpec) -> dict[str, np.ndarray]:
         if spec.architecture is Architecture.QWEN3:
             w[f"{p}self_attn.q_norm.weight"] = ones(d)
             w[f"{p}self_attn.k_norm.weight"] = ones(d)
+        if spec.architecture is Architecture.QWEN2:  # biased q/k/v projections
+            for sub, n in (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)):
+                w[f"{p}self_attn.{sub}.bias"] = _tensor(spec, f"{p}self_attn.{sub}.bias", (n,), 0.1)
     return w
 
 
 def _config(spec: ModelSpec) -> dict:
     cfg = {
         "architectures": [spec.architecture.value],
-        "model_type": "llama" if spec.architecture is Architecture.LLAMA else "qwen3",
+        "model_type": {Architecture.LLAMA: "llama", Architecture.QWEN2: "qwen2",
+                       Architecture.QWEN3: "qwen3"}[spec.architecture],
         "hidden_size": spec.hidden_size,
         "intermediate_size": spec.intermediate_size,
         "num_hidden_layers": spec.num_layers,

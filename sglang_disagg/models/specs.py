@@ -10,6 +10,7 @@ from enum import Enum
 
 class Architecture(str, Enum):
     LLAMA = "LlamaForCausalLM"
+    QWEN2 = "Qwen2ForCausalLM"
     QWEN3 = "Qwen3ForCausalLM"
 
 
@@ -62,6 +63,9 @@ BUILTIN_MODELS: dict[str, ModelSpec] = {
         # Another GQA architecture (q/k norms, explicit head_dim) for tests.
         ModelSpec("tiny-qwen3", Architecture.QWEN3, hidden_size=256, num_layers=4, num_heads=4,
                   num_kv_heads=2, intermediate_size=704, head_dim=64, seed=1),
+        # A third (biased q/k/v projections) for the streaming tests.
+        ModelSpec("tiny-qwen2", Architecture.QWEN2, hidden_size=256, num_layers=4, num_heads=4,
+                  num_kv_heads=2, intermediate_size=704, seed=3),
         # Large enough that prefill visibly stalls decode on a CPU core (benchmarks).
         ModelSpec("small-llama", Architecture.LLAMA, hidden_size=1024, num_layers=8, num_heads=16,
                   num_kv_heads=4, intermediate_size=2816, seed=2),

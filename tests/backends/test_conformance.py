@@ -238,7 +238,7 @@ def test_close_releases_everything(pair: Pair) -> None:
         p.call("alloc", size=1 << 20)
         p.call("expect", tag=31337, count=1, wait=False, timeout=60.0)
         threads = p.call("close")["threads"]
-        assert not [t for t in threads if t.startswith(("control", "libfabric", "nixl", "mooncake"))], threads
+        assert not [t for t in threads if t.startswith(("control", "libfabric", "nixl", "mooncake", "shmem"))], threads
         assert other
         time.sleep(0.2)
         assert pair.rx.call("stats")["peers"] == 1  # only the pair's own peer remains

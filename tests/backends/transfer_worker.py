@@ -43,7 +43,12 @@ class Worker:
         return {"address": self.be.address}
 
     def alloc(self, size: int, seed: int | None = None) -> dict:
-        m = mmap.mmap(-1, size)
+        # Shared memory (a memfd), as the messenger allocates KV pools: every backend can
+        # register it, and the shmem backend needs it (a peer maps it to write).
+        fd = os.memfd_create("transfer-worker")
+        os.ftruncate(fd, size)
+        m = mmap.mmap(fd, size)
+        os.close(fd)  # the mapping keeps its own descriptor
         if seed is not None:
             m[:] = pattern(seed, size)
         addr = ctypes.addressof(ctypes.c_char.from_buffer(m))

@@ -39,7 +39,7 @@ def test_tokenizer_covers_the_whole_vocab_and_round_trips(tmp_path):
 def test_specs_are_gqa_and_validated():
     for spec in BUILTIN_MODELS.values():
         assert spec.num_heads > spec.num_kv_heads  # grouped-query attention
-    with pytest.raises(ValueError, match="known: small-llama, tiny-llama, tiny-qwen3"):
+    with pytest.raises(ValueError, match="known: small-llama, tiny-llama, tiny-qwen2, tiny-qwen3"):
         get_spec("nope")
 
 

@@ -55,19 +55,35 @@ def _apply(groups: list[WriteGroup], src_bufs, dst_bufs, hits) -> None:
             hit[d0:d0 + w.length] += 1
 
 
+def _mla(layout: Layout = Layout.HND) -> KVGeometry:
+    # One latent "head" (kv_lora_rank + rope dims), no separate V, held whole by every rank.
+    return KVGeometry(num_layers=2, kv_heads=1, head_dim=12, v_head_dim=0, page_size=4, dtype_bytes=2,
+                      layout=layout, replicated=True)
+
+
 @pytest.mark.parametrize("layout", list(Layout))
 @pytest.mark.parametrize("src_tp, dst_tp, kv_heads", CASES)
 def test_every_destination_byte_written_once_with_the_right_bytes(src_tp, dst_tp, kv_heads, layout):
     g = _geometry(kv_heads, layout, v_head_dim=8 if layout is Layout.NHD else 6)
-    plan = ShardPlan.build(g, src_tp, dst_tp)
+    _check_bytes(ShardPlan.build(g, src_tp, dst_tp), src_tp, dst_tp)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 7])
+@pytest.mark.parametrize("src_tp, dst_tp", TP_PAIRS)
+def test_mla_replica_sets_write_every_destination_byte_once(src_tp, dst_tp, seed):
+    _check_bytes(ShardPlan.build(_mla(), src_tp, dst_tp).for_request(seed), src_tp, dst_tp)
+
+
+def _check_bytes(plan: ShardPlan, src_tp: int, dst_tp: int) -> None:
+    g = plan.geometry
     pool_pages = 7
     # The same logical pages live at different page ids on each side.
     src_pages, dst_pages = [5, 1, 3], [0, 6, 2]
     src = {(r, layer, k): _rank_buffer(g, k, plan.heads(src_tp, r), pool_pages)
-           for r in range(src_tp) for layer in range(g.num_layers) for k in Kind}
+           for r in range(src_tp) for layer in range(g.num_layers) for k in g.kinds}
     # The expected destination content: the same logical tokens, laid out for the decode rank.
     want = {(r, layer, k): _rank_buffer(g, k, plan.heads(dst_tp, r), pool_pages)
-            for r in range(dst_tp) for layer in range(g.num_layers) for k in Kind}
+            for r in range(dst_tp) for layer in range(g.num_layers) for k in g.kinds}
     dst = {key: np.zeros_like(v) for key, v in want.items()}
     hits = {key: np.zeros(v.shape, dtype=np.int32) for key, v in want.items()}
     # Source page p holds what destination page q must hold: relabel the source codes.
@@ -123,6 +139,15 @@ def test_nhd_costs_one_write_per_slot_when_shards_differ():
     # Equal sharding: NHD pages line up and move whole.
     assert ShardPlan.build(_geometry(4, Layout.NHD, page_size=16), 2, 2).total_writes(10) == \
         ShardPlan.build(_geometry(4, Layout.HND, page_size=16), 2, 2).total_writes(10)
+
+
+def test_mla_sources_are_drawn_at_random_and_alike_on_every_prefill_rank():
+    plan = ShardPlan.build(_mla(), 8, 2)
+    sources = {p.src_rank for seed in range(50) for p in plan.for_request(seed).pieces}
+    assert sources == set(range(8))  # the load spreads over every replica
+    assert plan.for_request(11).pieces == plan.for_request(11).pieces  # same seed, same draw
+    assert {plan.for_request(s).expected(5)[d] for s in range(20) for d in range(2)} == {5 * 2}  # K only
+    assert plan.for_request(3).groups([1], [2], src_rank=99) == []
 
 
 def test_replicated_heads_spread_sources_over_replicas():

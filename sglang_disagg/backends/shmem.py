@@ -1,0 +1,151 @@
+"""Same-host backend: the writer copies straight into a mapping of the peer's memory.
+
+Between two processes on one host, libfabric's shm provider moves data with
+process_vm_writev (one copy, but through the kernel: ~0.6x memcpy here). When the
+receiver's memory is shared (a memfd or /dev/shm file; the messenger allocates KV pools
+so), the writer can map it and copy with memcpy. Same contract as every backend:
+
+- regions: ``register`` finds the file behind the range (sglang_disagg.shm.locate); the
+  descriptor names it and the inode, and a peer on another host is refused at handshake
+  (boot id). Memory that is not shared is refused with a DescriptorError.
+- immediates: after a batch's copies the writer sends NOTIFY(tag, count) on the control
+  channel; the data is in the receiver's memory before the notification is read.
+- failures: peer loss comes from the control channel, as for every backend.
+- batches are copied in order on one worker thread (ctypes.memmove releases the GIL).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import queue
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from .. import shm
+from .base import TransferBackend
+from .errors import BackendUnavailable, DescriptorError, TransferError
+from .peer import Peer
+from .regions import MemoryRegion, NativeRegistration, PageWrite, RegionDescriptor, RemoteRegion
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError as e:
+        raise BackendUnavailable(f"shmem needs Linux /proc: {e}") from e
+
+
+class ShmemBackend(TransferBackend):
+    name = "shmem"
+
+    @classmethod
+    def availability(cls) -> tuple[bool, str]:
+        try:
+            _boot_id()
+        except BackendUnavailable as e:
+            return False, str(e)
+        return True, "same-host peers, shared memory (memfd / /dev/shm)"
+
+    def _provider_label(self) -> str:
+        return "memfd"
+
+    def _native_open(self) -> None:
+        self._host = _boot_id()
+        self._maps: dict[tuple[str, int], shm.Mapping] = {}  # (peer id, region id) -> mapping
+        self._maps_lock = threading.Lock()
+        self._jobs: queue.Queue = queue.Queue()
+        self._worker = threading.Thread(target=self._work, name="shmem-copy", daemon=True)
+        self._worker.start()
+
+    def _endpoint_info(self) -> dict[str, Any]:
+        return {"boot_id": self._host}
+
+    def _native_connect(self, peer: Peer) -> None:
+        if peer.endpoint.get("boot_id") != self._host:
+            raise TransferError("shmem peers must share a host (boot ids differ); use libfabric tcp across hosts")
+        peer.native = peer.id
+
+    def _native_disconnect(self, peer: Peer) -> None:
+        peer.native = None
+        with self._maps_lock:
+            gone = [self._maps.pop(k) for k in [k for k in self._maps if k[0] == peer.id]]
+        # The copy thread may be writing through these mappings: it unmaps them after the
+        # copies queued before this point (unmapping now would fault it).
+        self._jobs.put(("unmap", gone))
+
+    def _native_register(self, addr: int, length: int) -> NativeRegistration:
+        try:
+            b = shm.locate(addr, length)
+        except shm.SharedMemoryError as e:
+            raise DescriptorError(f"shmem can only register shared memory: {e}") from e
+        return NativeRegistration((addr, length), 0, 0, {"path": b.path, "offset": b.offset, "inode": b.inode})
+
+    def _native_deregister(self, reg: NativeRegistration) -> None:
+        pass  # the memory belongs to its allocator; peers keep their own mappings
+
+    def _check_remote(self, peer: Peer, d: RegionDescriptor) -> None:
+        extra = d.extra
+        if not isinstance(extra.get("path"), str) or not all(
+                isinstance(extra.get(k), int) and not isinstance(extra.get(k), bool) for k in ("offset", "inode")):
+            raise DescriptorError("shmem descriptor lacks path/offset/inode")
+
+    def _mapping(self, dst: RemoteRegion) -> shm.Mapping:
+        """The peer's region mapped here, on first use."""
+        key = (dst.peer, dst.descriptor.region)
+        with self._maps_lock:
+            m = self._maps.get(key)
+            if m is None:
+                d = dst.descriptor
+                try:
+                    m = shm.Mapping(d.extra["path"], d.extra["offset"], d.length, d.extra["inode"])
+                except shm.SharedMemoryError as e:
+                    raise TransferError(f"shmem: {e}") from e
+                self._maps[key] = m
+        return m
+
+    def _native_post(self, peer: Peer, batch_id: int, writes: Sequence[PageWrite], imm: int) -> None:
+        copies = [(self._mapping(w.dst).addr + w.dst_offset, w.src.addr + w.src_offset, w.length) for w in writes]
+        self._enqueue(peer, batch_id, copies, imm)
+
+    def _native_post_uniform(self, peer: Peer, batch_id: int, src: MemoryRegion, src_offsets: Sequence[int],
+                             dst: RemoteRegion, dst_offsets: Sequence[int], length: int, imm: int) -> None:
+        base = self._mapping(dst).addr
+        copies = [(base + d, src.addr + s, length) for s, d in zip(src_offsets, dst_offsets)]
+        self._enqueue(peer, batch_id, copies, imm)
+
+    def _enqueue(self, peer: Peer, batch_id: int, copies: list, imm: int) -> None:
+        self._jobs.put((peer, batch_id, copies, imm))
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            if job[0] == "unmap":
+                for m in job[1]:
+                    m.close()
+                continue
+            peer, batch_id, copies, imm = job
+            error = None
+            try:
+                if peer.native is None:
+                    raise TransferError(f"peer {peer.address} is {peer.state.value}")
+                for dst, src, n in copies:
+                    ctypes.memmove(dst, src, n)
+                peer.notify(imm, len(copies))
+            except TransferError as e:
+                error = str(e)
+            self._complete_batch(batch_id, error, lost=peer.native is None)
+
+    def _native_stats(self) -> dict[str, int]:
+        return {"native_batches": self._jobs.qsize(), "mappings": len(self._maps)}
+
+    def _native_close(self) -> None:
+        self._jobs.put(None)
+        self._worker.join(timeout=5.0)
+        with self._maps_lock:
+            maps, self._maps = list(self._maps.values()), {}
+        for m in maps:
+            m.close()

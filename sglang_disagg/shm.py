@@ -1,0 +1,123 @@
+"""Shared memory another process on the same host can map: allocation and lookup.
+
+``shared_zeros`` gives a torch tensor whose pages live in a memfd (anonymous, freed with
+the last mapping or descriptor: nothing is left behind when a process is killed). The
+messenger mode allocates KV pools with it, so that a same-host peer can write straight
+into them (the ``shmem`` transfer backend) and one process can map every rank's pool.
+
+``locate(addr, length)`` finds the file that backs a range of this process's memory and
+says how another process opens it: a path (a /dev/shm file) or /proc/<pid>/fd/<n> (a
+memfd, opened through this process's descriptor while it lives).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+_keep: list[tuple[int, mmap.mmap]] = []  # descriptors and mappings behind shared tensors
+_lock = threading.Lock()
+
+
+class SharedMemoryError(RuntimeError):
+    pass
+
+
+def shared_zeros(shape: tuple[int, ...], dtype: Any, name: str = "sglang-disagg-kv") -> Any:
+    import torch
+
+    numel = 1
+    for n in shape:
+        numel *= n
+    nbytes = max(1, numel * torch.empty((), dtype=dtype).element_size())
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    os.ftruncate(fd, nbytes)  # a fresh memfd reads as zeros
+    buf = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    with _lock:
+        _keep.append((fd, buf))
+    return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)
+
+
+@dataclass(frozen=True, slots=True)
+class Backing:
+    path: str    # what a peer on this host opens
+    offset: int  # file offset of the range's first byte
+    inode: int
+
+
+def locate(addr: int, length: int, pid: int | None = None) -> Backing:
+    """The shared file behind [addr, addr + length) of this process."""
+    pid = os.getpid() if pid is None else pid
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if not lo <= addr < hi:
+                continue
+            if addr + length > hi:
+                raise SharedMemoryError(f"range {addr:#x}+{length} spans more than one mapping")
+            perms, offset, inode = parts[1], int(parts[2], 16), int(parts[4])
+            path = parts[5].strip() if len(parts) > 5 else ""
+            if "s" not in perms or inode == 0 or not path:
+                raise SharedMemoryError(f"range {addr:#x}+{length} is not shared file memory ({perms} {path!r})")
+            where = offset + addr - lo
+            if path.startswith("/dev/shm/"):
+                return Backing(path, where, inode)
+            if path.startswith("/memfd:"):
+                return Backing(f"/proc/{pid}/fd/{_fd_of(inode)}", where, inode)
+            raise SharedMemoryError(f"range {addr:#x}+{length} is backed by {path}, not shared memory")
+    raise SharedMemoryError(f"address {addr:#x} is not mapped in this process")
+
+
+def _fd_of(inode: int) -> int:
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.stat(f"/proc/self/fd/{name}").st_ino == inode:
+                return int(name)
+        except OSError:
+            continue
+    raise SharedMemoryError(f"no open descriptor for the memfd with inode {inode}")
+
+
+_PEER_PATH = re.compile(r"^(/dev/shm/[^/]+|/proc/[0-9]+/fd/[0-9]+)$")
+
+
+class Mapping:
+    """A peer's shared range mapped into this process. Only shared memory is ever mapped:
+    a path a peer names must be a /dev/shm file or a process's memfd descriptor, and what
+    it opens must be one, so a descriptor cannot point a writer at an ordinary file."""
+
+    def __init__(self, backing_path: str, offset: int, length: int, inode: int) -> None:
+        if not _PEER_PATH.match(backing_path) or offset < 0 or length <= 0:
+            raise SharedMemoryError(f"refusing to map {backing_path!r}: not a shared-memory object")
+        try:
+            fd = os.open(backing_path, os.O_RDWR | os.O_NOFOLLOW if backing_path.startswith("/dev/shm/") else os.O_RDWR)
+        except OSError as e:
+            raise SharedMemoryError(f"cannot open the peer's memory {backing_path}: {e}") from e
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if not (target.startswith("/memfd:") or target.startswith("/dev/shm/")):
+                raise SharedMemoryError(f"refusing to map {backing_path}: it is {target}, not shared memory")
+            if os.fstat(fd).st_ino != inode:
+                raise SharedMemoryError(f"{backing_path} is not the peer's memory any more (inode changed)")
+            if offset + length > os.fstat(fd).st_size:
+                raise SharedMemoryError(f"range {offset}+{length} exceeds the peer's memory object")
+            start = offset - offset % mmap.PAGESIZE
+            self._map = mmap.mmap(fd, length + offset - start, flags=mmap.MAP_SHARED,
+                                  prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
+        finally:
+            os.close(fd)
+        import ctypes
+
+        self.addr = ctypes.addressof(ctypes.c_char.from_buffer(self._map)) + offset - start
+        self.length = length
+
+    def close(self) -> None:
+        try:
+            self._map.close()
+        except BufferError:  # a ctypes view still exists: the mapping goes with the process
+            pass

@@ -1,0 +1,126 @@
+"""The layer counter (a hook after each attention layer's output projection) and the
+streamer that posts each layer's writes once the forward has passed that layer."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang_disagg.messenger.layers import LayerCounter, LayerHookError, attention_projections
+from sglang_disagg.messenger.stream import Chunk, Streamer
+
+
+class FakeAttention(torch.nn.Module):
+    """Stands in for SGLang's RadixAttention (the op the hook looks for)."""
+
+    def __init__(self, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+
+
+class Block(torch.nn.Module):
+    def __init__(self, layer_id: int, projection: str | None = "o_proj", delay_s: float = 0.0) -> None:
+        super().__init__()
+        self.attn = FakeAttention(layer_id)
+        self.delay_s = delay_s
+        if projection:
+            setattr(self, projection, torch.nn.Linear(4, 4))
+        self.projection = projection
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.delay_s)  # the layer's attention and MLP
+        return getattr(self, self.projection)(x) if self.projection else x
+
+
+class Model(torch.nn.Module):
+    def __init__(self, blocks: list[Block]) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.layers:
+            x = b(x)
+        return x
+
+
+def test_counter_advances_once_per_attention_layer():
+    model = Model([Block(i) for i in range(3)] + [Block(3, "out_proj")])
+    counter = LayerCounter(model, FakeAttention)
+    assert [layer for layer, _ in counter.layers] == [0, 1, 2, 3]
+    model(torch.zeros(1, 4))
+    model(torch.zeros(1, 4))
+    assert counter.value == 8 and int(counter.tensor.item()) == 8  # the tensor op and its mirror
+    assert counter.wait_past(8, 0.01) and not counter.wait_past(9, 0.01)
+    counter.close()
+    model(torch.zeros(1, 4))
+    assert counter.value == 8  # hooks removed
+
+
+def test_a_model_whose_projection_cannot_be_found_is_refused():
+    with pytest.raises(LayerHookError, match=r"layers\.1\.attn .*no output projection named o_proj or out_proj"):
+        attention_projections(Model([Block(0), Block(1, projection=None)]), FakeAttention)
+    with pytest.raises(LayerHookError, match="no attention layer"):
+        attention_projections(torch.nn.Linear(2, 2), FakeAttention)
+
+
+def _streamer(delay_s: float, early: bool = False):
+    model = Model([Block(i, delay_s=delay_s) for i in range(4)])
+    counter = LayerCounter(model, FakeAttention)
+    posted: list[tuple[int, int, float]] = []  # (layer, counter value when posted, time)
+
+    def post(chunk, groups):
+        for g in groups:
+            posted.append((g.layer, counter.value, time.monotonic()))
+
+    return model, counter, Streamer(counter, 4, post, early=early), posted
+
+
+def _chunk(layers: int = 4) -> Chunk:
+    rec = SimpleNamespace(failed="", times={})
+    return Chunk(rec, ready=[SimpleNamespace(layer=-1)],
+                 by_layer={layer: [SimpleNamespace(layer=layer)] for layer in range(layers)})
+
+
+def test_each_layer_is_posted_once_the_forward_passed_it_and_before_the_forward_ends():
+    model, counter, streamer, posted = _streamer(delay_s=0.05)
+    try:
+        model(torch.zeros(1, 4))  # an earlier forward: the ticket's base is taken at submit
+        ticket = streamer.submit([_chunk()])
+        t0 = time.monotonic()
+        model(torch.zeros(1, 4))
+        forward_end = time.monotonic()
+        assert streamer.wait(ticket, 5.0)
+    finally:
+        streamer.close()
+    layers = [p for p in posted if p[0] >= 0]
+    assert [p[0] for p in posted] == [-1, 0, 1, 2, 3]  # the cached prefix first, then layer by layer
+    for layer, seen, _ in layers:
+        assert seen >= 4 + layer + 1, f"layer {layer} posted before the forward passed it"
+    assert layers[0][2] < forward_end - 0.1, "layer 0 was not posted while the forward still ran"
+    assert layers[0][2] > t0
+
+
+def test_early_posting_is_what_the_negative_control_does():
+    model, _, streamer, posted = _streamer(delay_s=0.02, early=True)
+    try:
+        ticket = streamer.submit([_chunk()])
+        assert streamer.wait(ticket, 5.0)  # everything posted before any layer ran
+        assert all(seen == 0 for _, seen, _ in posted)
+        model(torch.zeros(1, 4))
+    finally:
+        streamer.close()
+
+
+def test_a_forward_that_never_reaches_a_layer_fails_its_chunks(monkeypatch):
+    monkeypatch.setattr("sglang_disagg.messenger.stream.LAYER_TIMEOUT_S", 0.1)
+    _, _, streamer, _ = _streamer(delay_s=0.0)
+    chunk = _chunk()
+    try:
+        ticket = streamer.submit([chunk])
+        assert streamer.wait(ticket, 5.0)
+    finally:
+        streamer.close()
+    assert "never finished layer 0" in chunk.rec.failed
