@@ -45,6 +45,8 @@ def parse(argv: list[str]) -> tuple[LaunchConfig, bool]:
     ap.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
                     help="messenger: prefill writes each layer's KV as its forward passes the layer "
                          "(--no-stream: a chunk's KV after its forward)")
+    ap.add_argument("--decode-prefix-reuse", action=argparse.BooleanOptionalAction, default=True,
+                    help="messenger: a decoder asks prefill only for the pages its radix cache lacks")
     ap.add_argument("--transfer-timeout", type=float, default=60.0,
                     help="messenger: seconds a decoder waits for a request's KV before failing it")
     ap.add_argument("--device", default="cpu")
@@ -70,6 +72,7 @@ def parse(argv: list[str]) -> tuple[LaunchConfig, bool]:
         prefill_urls=tuple(args.prefill_url), decode_urls=tuple(args.decode_url),
         prefill_messengers=tuple(args.prefill_messenger), extra_args=tuple(extra), log_dir=args.log_dir,
         startup_timeout_s=args.startup_timeout, transfer_timeout_s=args.transfer_timeout, stream=args.stream,
+        reuse_prefix=args.decode_prefix_reuse,
     )
     return cfg, args.smoke
 

@@ -116,6 +116,7 @@ class LaunchConfig:
     startup_timeout_s: float = 300.0
     transfer_timeout_s: float = 60.0
     stream: bool = True  # messenger: write each layer's pages as the prefill forward passes it
+    reuse_prefix: bool = True  # messenger: decoders send only what their radix cache lacks
     env: tuple[tuple[str, str], ...] = field(default=())
 
     def __post_init__(self) -> None:

@@ -38,7 +38,8 @@ class MessengerConfig:
     `transfer_timeout_s`: how long a decoder waits for a request's KV before failing it.
     `stats_file`: where the leader publishes its counters as JSON ("" = nowhere).
     `stream`: a prefill server posts each layer's writes as the forward passes that layer
-    (False: a chunk's writes after its forward ends)."""
+    (False: a chunk's writes after its forward ends). `reuse_prefix`: a decoder asks only
+    for the pages after what its radix tree holds of a prompt (False: whole prompts)."""
 
     role: MessengerRole
     backend: str
@@ -51,6 +52,7 @@ class MessengerConfig:
     connect_timeout_s: float = 5.0
     stats_file: str = ""
     stream: bool = True
+    reuse_prefix: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, MessengerRole):

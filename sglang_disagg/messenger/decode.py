@@ -91,6 +91,7 @@ class DecodeMessenger:
                       "pages_reused": 0, "pages_quarantined": 0}
         self.links: Links | None = None
         self._inbox: collections.deque[tuple[Any, wire.Message]] = collections.deque()
+        self.recent: collections.deque[dict] = collections.deque(maxlen=64)  # handed-off requests' timelines
         if self.ranks.is_leader:
             hello = wire.Hello(decoder=self.node.name, backend=self.backend.name, provider=self.backend.provider,
                                kv=self.node.spec, ranks=self.node.endpoints)
@@ -135,7 +136,11 @@ class DecodeMessenger:
         ps = self.node.page_size
         if sched.req_to_token_pool.available_size() < 1:
             return False
-        match_kv_cache(req, tree, req.origin_input_ids[:e.n_tokens], max_prefix_len=e.n_tokens)
+        if self.cfg.reuse_prefix:
+            match_kv_cache(req, tree, req.origin_input_ids[:e.n_tokens], max_prefix_len=e.n_tokens)
+        else:  # every prompt comes whole from a prefill server (a benchmark baseline)
+            req.last_node = req.last_host_node = req.best_match_node = tree.root_node_handle(req.extra_key)
+            req.prefix_len = req.host_hit_length = req.num_matched_prefix_tokens = 0
         reused = req.prefix_len - req.prefix_len % ps  # whole pages: the transfer unit
         req.prefix_len = reused
         req.lock = tree.lock(req.last_node)
@@ -279,7 +284,8 @@ class DecodeMessenger:
         links = {a: {"state": link.state.value, "reason": link.reason, "outstanding": link.outstanding}
                  for a, link in self.links.links.items()} if self.links else {}
         return self.node.describe(self.sched) | self.stats | {
-            "in_flight": phases, "links": links, "late_writes_dropped": self.backend.stats()["late_writes_dropped"]}
+            "in_flight": phases, "links": links, "late_writes_dropped": self.backend.stats()["late_writes_dropped"],
+            "recent": list(self.recent)}
 
     def _leader_release_decisions(self) -> None:
         now = time.monotonic()
@@ -311,6 +317,8 @@ class DecodeMessenger:
         req.arrival_processed_tokens = sched.processed_tokens_counter
         self.stats["requests_carried"] += 1
         self.stats["writes_received"] += e.writes
+        self.recent.append({"rid": req.rid, "tokens": e.n_tokens, "pages": len(e.pages), "reused": e.start_page,
+                            "writes": e.writes} | e.times | {"handoff": time.monotonic()})
         if TRACE:
             t = e.times | {"handoff": time.monotonic()}
             logger.info("messenger trace %s: take at %.4f (monotonic), %d tokens, %d pages, %d writes; "

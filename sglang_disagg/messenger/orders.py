@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,16 +47,14 @@ class Record:
         with self._lock:
             self.posted += 1
 
-    def on_write_done(self, fut: Any, layer: int | None, wakeup: Any) -> None:  # backend thread
+    def on_write_done(self, fut: Any, layer: int | None, last_layer: int, wakeup: Any) -> None:  # backend thread
         err = fut.exception()
         with self._lock:
             if err is not None and not self.failed:
                 self.failed = f"KV write failed: {err}"
             self.completed += 1
-        if layer == 0:
-            import time
-
-            self.times["layer0_written"] = time.monotonic()  # the last of layer 0's batches wins
+        if layer in (0, last_layer):  # the last of the layer's batches wins
+            self.times["layer0_written" if layer == 0 else "last_layer_written"] = time.monotonic()
         wakeup.set()
 
     @property

@@ -59,7 +59,8 @@ class PrefillMessenger:
         if cfg.stream:
             counter = LayerCounter(scheduler.tp_worker.model_runner.model)
             early = os.environ.get(FAULT_ENV) == "early_writes"  # negative control: write before the KV exists
-            self.streamer = Streamer(counter, self.node.view.geometry.num_layers, self._post, early=early)
+            self.streamer = Streamer(counter, self.node.view.geometry.num_layers, self._post, early=early,
+                                     settle=self._settle)
         if self.ranks.is_leader:
             self.node.start_reader(self._on_message)
 
@@ -243,7 +244,7 @@ class PrefillMessenger:
         """Post write groups of one order (scheduler thread or streamer thread)."""
         rec = chunk.rec
         link = self.decoders[rec.key]
-        wakeup = self.node.wakeup
+        wakeup, last = self.node.wakeup, self.node.view.geometry.num_layers - 1
         try:
             for g in groups:
                 fut = post(self.backend, link.peers[g.dst_rank], g, self.node.regions, link.remote[g.dst_rank],
@@ -251,9 +252,16 @@ class PrefillMessenger:
                 rec.posted_one()
                 self.stats["writes_posted"] += g.writes
                 layer = None if groups is chunk.ready else g.layer  # streamed groups time the layers
-                fut.add_done_callback(lambda f, layer=layer: rec.on_write_done(f, layer, wakeup))
+                fut.add_done_callback(lambda f, layer=layer: rec.on_write_done(f, layer, last, wakeup))
         except Exception as e:  # noqa: BLE001 - the order fails; posted writes still drain
             rec.failed = f"posting KV writes failed: {e}"
+
+    @staticmethod
+    def _settle(chunk: Chunk, timeout_s: float = 10.0) -> None:
+        """Wait until every write posted for the chunk's order completed (negative control)."""
+        deadline = time.monotonic() + timeout_s
+        while not chunk.rec.writes_done and time.monotonic() < deadline:
+            time.sleep(0.001)
 
     def hold_release(self, req: Any, checkpoint: bool) -> bool:
         rec = getattr(req, ORDER_ATTR, None)

@@ -46,10 +46,12 @@ class Ticket:
 
 class Streamer:
     def __init__(self, counter: LayerCounter, num_layers: int, post: Callable[[Chunk, list[WriteGroup]], None],
-                 early: bool = False) -> None:
+                 early: bool = False, settle: Callable[[Chunk], None] | None = None) -> None:
         """`post(chunk, groups)` posts and accounts writes (thread-safe); `early` posts
-        every layer at submit, before its KV exists (a negative control only)."""
+        every layer at submit, before its KV exists, and waits with `settle(chunk)` until
+        they completed (a negative control only)."""
         self.counter, self.num_layers, self._post, self.early = counter, num_layers, post, early
+        self._settle = settle or (lambda chunk: None)
         self._queue: queue.Queue[Ticket | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="messenger-stream", daemon=True)
         self._thread.start()
@@ -57,6 +59,10 @@ class Streamer:
     def submit(self, chunks: list[Chunk]) -> Ticket:
         ticket = Ticket(chunks, self.counter.value)
         self._queue.put(ticket)
+        if self.early:  # the negative control: everything written before the forward starts
+            self.wait(ticket)
+            for c in chunks:
+                self._settle(c)
         return ticket
 
     def wait(self, ticket: Ticket, timeout_s: float = LAYER_TIMEOUT_S) -> bool:

@@ -123,6 +123,27 @@ def stacks(tmp_path_factory):
     pool.close()
 
 
+TURNS = 5
+
+
+def conversation(url: str, model: str, on_turn=None) -> list[list[int]]:
+    """A 5-turn chat as token ids: each turn re-sends the whole history (previous prompt,
+    its answer, a new user message), as chat clients do. `on_turn(k, prompt)` runs before
+    turn k is sent."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(ensure_model(model)))
+    history = tok("You are a helpful assistant. Tell me about disaggregated serving.")["input_ids"]
+    outputs = []
+    for k in range(TURNS):
+        if on_turn is not None:
+            on_turn(k, history)
+        out = generate_ids(url, history, 16)
+        outputs.append(out)
+        history = history + out + tok(f" Turn {k}: and what about page {k} of the KV cache?")["input_ids"][1:]
+    return outputs
+
+
 JSON_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                                 "size": {"type": "integer"}}, "required": ["name", "size"]}
 
@@ -146,6 +167,7 @@ def references(tmp_path_factory):
             try:
                 outputs = run_sequential(stack.url, prompts)
                 structured_refs[model] = structured(stack.url, prompts[-1])
+                conversation_refs[model] = conversation(stack.url, model)
                 cache[model] = (prompts, outputs)
             finally:
                 stack.stop()
@@ -155,3 +177,4 @@ def references(tmp_path_factory):
 
 
 structured_refs: dict[str, dict] = {}
+conversation_refs: dict[str, list[list[int]]] = {}

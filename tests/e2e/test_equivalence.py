@@ -1,7 +1,9 @@
 """Token-exact equivalence: router -> decode (-> prefill through the messenger) gives
-exactly the greedy tokens of one colocated server, on every transfer backend, with
-prefill TP 2 -> decode TP 1 and 1 -> 2, on two architectures; and SGLang's own PD path
-(upstream mode, the comparison baseline) does too."""
+exactly the greedy tokens of one colocated server, on every transfer backend (libfabric
+shm/tcp, NIXL, Mooncake, shmem), with prefill TP 2 -> decode TP 1 and 1 -> 2, on three
+architectures (Llama, Qwen3, Qwen2), streaming each layer's KV as the prefill forward
+passes it (the default) over several prefill chunks; and SGLang's own PD path (upstream
+mode, the comparison baseline) does too."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ CONFIGS = [
     pytest.param(StackSpec(backend="libfabric", provider="shm", prefill_tp=2), id="messenger-shm-tp2-tp1"),
     pytest.param(StackSpec(backend="libfabric", provider="shm", decode_tp=2), id="messenger-shm-tp1-tp2"),
     pytest.param(StackSpec(backend="nixl", model="tiny-qwen3"), id="messenger-nixl-qwen3"),
+    pytest.param(StackSpec(backend="shmem", model="tiny-qwen2"), id="messenger-shmem-qwen2"),
     pytest.param(StackSpec(mode=Mode.UPSTREAM, backend="mooncake"), id="upstream-mooncake"),
     # Last, so that test_messenger.py reuses this stack (the launcher's default).
     pytest.param(StackSpec(backend="libfabric", provider="shm"), id="messenger-libfabric-shm"),
