@@ -1,6 +1,7 @@
 """The stacks the end-to-end benchmarks compare, named on the command line as
 ``colocated`` or ``MODE:BACKEND[:PROVIDER]`` (e.g. ``messenger:libfabric:shm``,
-``upstream:mooncake``), turned into launcher configurations."""
+``upstream:mooncake``), optionally with ``+no-stream`` (the messenger writing each chunk
+after its forward), turned into launcher configurations."""
 
 from __future__ import annotations
 
@@ -14,10 +15,14 @@ def launch_config(text: str, model: str, port: int, logs: Path, max_total_tokens
                   log_dir=str(logs / text.replace(":", "-")))
     if text == "colocated":
         return LaunchConfig(role=Role.COLOCATED, **common)
-    mode, _, rest = text.partition(":")
+    name, _, flags = text.partition("+")
+    if flags not in ("", "no-stream"):
+        raise SystemExit(f"configuration {text!r}: unknown option +{flags} (only +no-stream)")
+    mode, _, rest = name.partition(":")
     backend, _, provider = rest.partition(":")
+    extra = {"stream": False} if flags else {}
     try:
         return LaunchConfig(role=Role.ALL, mode=Mode(mode), backend=backend or None, provider=provider or None,
-                            **common)
+                            **common, **extra)
     except ValueError as e:
         raise SystemExit(f"configuration {text!r}: {e} (write colocated or MODE:BACKEND[:PROVIDER])") from None

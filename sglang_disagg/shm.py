@@ -12,6 +12,7 @@ memfd, opened through this process's descriptor while it lives).
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import re
@@ -109,8 +110,12 @@ class Mapping:
             start = offset - offset % mmap.PAGESIZE
             self._map = mmap.mmap(fd, length + offset - start, flags=mmap.MAP_SHARED,
                                   prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        # Kept open: this mapping may itself be registered with a backend, whose lookup
+        # (locate) names the memfd through a descriptor of this process.
+        self._fd = fd
         import ctypes
 
         self.addr = ctypes.addressof(ctypes.c_char.from_buffer(self._map)) + offset - start
@@ -121,3 +126,5 @@ class Mapping:
             self._map.close()
         except BufferError:  # a ctypes view still exists: the mapping goes with the process
             pass
+        with contextlib.suppress(OSError):
+            os.close(self._fd)

@@ -1,13 +1,15 @@
 """The KV messenger: sglang_disagg's disaggregated serving path (``--mode messenger``).
 
 A decoder receives the request, allocates non-evictable pages for the prompt minus its last
-token and asks a prefill server (fewest outstanding requests) to fill them. The prefill
-server computes the prompt in its own batch scheduler (chunked prefill, radix cache) with
-max_new_tokens=0, so it never samples, and writes each chunk's pages into the decoder's
-pages with the request's 32-bit immediate as soon as the chunk's forward ends. The decoder
-counts those writes (it knows how many from the planner) - there is no "done" message -
-and then runs the last prompt token as an ordinary one-token extend, which samples the
-first output token with the decoder's grammar, if any.
+token (reusing what its own radix tree holds of it) and asks a prefill server (fewest
+outstanding requests) to fill the rest. The prefill server computes the prompt in its own
+batch scheduler (chunked prefill, radix cache) with max_new_tokens=0, so it never samples,
+and writes each layer's pages into the decoder's pages with the request's 32-bit
+immediate as soon as the forward has passed that layer (a counter after each attention
+output projection; ``--no-stream``: after the chunk's forward). The decoder counts those
+writes (it knows how many from the planner) - there is no "done" message - and then runs
+the last prompt token as an ordinary one-token extend, which samples the first output
+token with the decoder's grammar, if any.
 
 Module map:
 - ``planner``   pure: (TP pair, heads, page geometry, layout) + page ids -> writes, counts
@@ -21,6 +23,9 @@ Module map:
 - ``links``     a decoder's links to prefill servers (first contact, health, load)
 - ``decode`` / ``prefill``  the two sides; each module docstring states its
   scheduler-side / worker-side contract
+- ``orders``    what a prefill rank keeps per decoder and per order
+- ``layers``    the per-layer counter (a hook after each attention output projection)
+- ``stream``    the prefill's worker thread posting each layer's writes as the counter moves
 - ``faults``    test-only partial-loss injection for negative controls
 - ``requests``  the short list of SGLang Req/scheduler internals the messenger touches
 

@@ -13,8 +13,9 @@ Worker side (backend threads): an expectation completing sets the entry's `lande
 `failed` flag and wakes the scheduler; nothing else runs off the scheduler thread.
 
 Lifecycle: MEMORY (pages allocated on every rank alike) -> ROUTE (the leader picks a
-prefill server and a fresh tag) -> TRANSFER (each rank expects the planner's number of
-writes with that tag) -> handed to SGLang's waiting queue once every rank saw its writes.
+prefill server and a fresh tag) -> TRANSFER (the leader's backend, which holds every
+rank's KV pages, expects the planner's total number of writes with that tag) -> handed to
+SGLang's waiting queue once the writes landed.
 A failure moves the request to RELEASE: the client gets the error at once, the tag is
 retired (late writes are discarded) and the pages stay held until no write can land any
 more (the prefill server confirmed the cancel, or it is gone).
@@ -200,24 +201,24 @@ class DecodeMessenger:
             self._finish_failed(e, route.error)
             return
         plan = ShardPlan.build(self.node.view.geometry, route.prefill_tp, self.ranks.size)
-        me = self.ranks.rank
-        # With replica sets (MLA) any prefill rank may be drawn as this rank's source.
-        writers = set(route.prefill_instances) if plan.geometry.replicated else {
-            route.prefill_instances[p.src_rank] for p in plan.pieces if p.dst_rank == me}
         e.tag, e.link, e.phase = route.tag, route.link, Phase.TRANSFER
         e.times["route"] = time.monotonic()
-        e.expected = plan.expected(len(e.pages) - e.start_page)[me]
         e.writes = plan.total_writes(len(e.pages) - e.start_page)
-        fut = self.backend.expect(e.tag, e.expected, self.cfg.transfer_timeout_s, writers)
+        if not self.ranks.is_leader:  # the leader's backend counts the writes into every rank's pages
+            e.landed = True
+            return
+        # One backend per server on both sides: every write of the request carries its tag
+        # into the leader's backend, from the prefill server's one backend instance.
+        e.expected = e.writes
+        fut = self.backend.expect(e.tag, e.expected, self.cfg.transfer_timeout_s, set(route.prefill_instances))
         fut.add_done_callback(lambda f, e=e: self._on_expect(e, f))
-        if self.ranks.is_leader:
-            order = wire.PrefillOrder(rid=e.req.rid, tag=e.tag, token_ids=tuple(e.req.origin_input_ids[:e.n_tokens]),
-                                      dst_pages=e.pages, start_page=e.start_page)
-            try:
-                self.links.links[e.link].send(order)
-                e.times["sent"] = time.monotonic()
-            except Exception as exc:  # noqa: BLE001 - becomes this request's failure
-                e.failed = f"could not send the prefill request to {e.link}: {exc}"
+        order = wire.PrefillOrder(rid=e.req.rid, tag=e.tag, token_ids=tuple(e.req.origin_input_ids[:e.n_tokens]),
+                                  dst_pages=e.pages, start_page=e.start_page)
+        try:
+            self.links.links[e.link].send(order)
+            e.times["sent"] = time.monotonic()
+        except Exception as exc:  # noqa: BLE001 - becomes this request's failure
+            e.failed = f"could not send the prefill request to {e.link}: {exc}"
 
     def _on_expect(self, e: Entry, fut: Any) -> None:  # backend thread
         err = fut.exception()
@@ -284,7 +285,8 @@ class DecodeMessenger:
         links = {a: {"state": link.state.value, "reason": link.reason, "outstanding": link.outstanding}
                  for a, link in self.links.links.items()} if self.links else {}
         return self.node.describe(self.sched) | self.stats | {
-            "in_flight": phases, "links": links, "late_writes_dropped": self.backend.stats()["late_writes_dropped"],
+            "in_flight": phases, "links": links,
+            "late_writes_dropped": self.backend.stats()["late_writes_dropped"] if self.backend else 0,
             "recent": list(self.recent)}
 
     def _leader_release_decisions(self) -> None:
@@ -329,7 +331,7 @@ class DecodeMessenger:
         self.stats["requests_failed"] += 1
         logger.warning("messenger: request %s failed: %s", e.req.rid, reason)
         fail_request(self.sched, e.req, reason)
-        if e.tag >= 0:
+        if e.tag >= 0 and self.backend is not None:
             self.backend.retire(e.tag, reason)
         e.phase, e.failed = Phase.RELEASE, reason
 

@@ -5,8 +5,9 @@ tensor. The hook is found generically: every SGLang attention op (RadixAttention
 an attention module whose output projection is its ``o_proj`` (Llama, Qwen2/3, Mistral,
 DeepSeek MLA, ...) or ``out_proj``; a model with an attention layer whose projection
 cannot be found is refused at start-up, never streamed with a guess. When o_proj has run,
-that layer's K and V are in the pool (attention writes them first), and with TP its
-all-reduce has synchronised the ranks.
+that layer's K and V are in this rank's pool (attention writes them first). With TP the
+counter is the leader's: o_proj's partial sums are reduced later in the layer, so other
+ranks' layer L is known written only once the leader passed layer L + 1 (stream.py).
 
 The increment is a tensor operation (``add_``), which CUDA graph capture records; on GPU the
 counter would live in host-mapped memory that a poller reads. On CPU the hook also wakes

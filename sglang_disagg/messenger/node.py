@@ -3,6 +3,7 @@ rank group, and (on the leader) the thread that reads control messages."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -13,6 +14,7 @@ from typing import Any
 
 from ..backends import BackendConfig, DeadlineExceeded, create_backend
 from ..backends.base import TransferBackend
+from .. import shm
 from . import compat, wire
 from .config import MessengerConfig, MessengerRole
 from .kvpool import KVPoolView
@@ -23,6 +25,13 @@ logger = logging.getLogger("sglang_disagg.messenger")
 
 
 class Node:
+    """The server's messenger endpoint: ONE transfer backend, on TP rank 0 (the leader),
+    drives the KV memory of every rank. Every rank's pool lives in shared memory (kv_zeros);
+    the other ranks tell the leader where (shm.locate), the leader maps their buffers and
+    registers all of them, so pages of every rank move through one backend instance and one
+    connection per peer server. Non-leader ranks keep no backend: they follow the leader's
+    decisions through the scheduler's broadcast and ranks.agree()."""
+
     def __init__(self, cfg: MessengerConfig, scheduler: Any) -> None:
         from sglang.srt.runtime_context import get_parallel
 
@@ -32,25 +41,53 @@ class Node:
         pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
         self.view = KVPoolView.from_pool(pool, scheduler.model_config.get_total_num_kv_heads())
         self.page_size = self.view.geometry.page_size
-        listen = cfg.port if (self.ranks.is_leader and cfg.role is MessengerRole.PREFILL) else 0
-        self.backend: TransferBackend = create_backend(
-            cfg.backend, BackendConfig(provider=cfg.provider, host=cfg.host, port=listen))
-        self.regions, descriptors = self.view.register(self.backend)
-        me = wire.RankEndpoint(self.ranks.rank, self.backend.address, self.backend.instance, tuple(descriptors))
-        self.endpoints: tuple[wire.RankEndpoint, ...] = tuple(self.ranks.gather(me))
+        # Where this rank's buffers live, for the leader to map (its own need no mapping).
+        where = None if self.ranks.is_leader else [
+            dataclasses.astuple(shm.locate(t.data_ptr(), t.numel() * t.element_size())) + (t.numel() * t.element_size(),)
+            for t in self.view.tensors]
+        backings = self.ranks.gather(where)
+        self.backend: TransferBackend | None = None
+        self.regions: dict[int, list[Any]] = {}  # rank -> its (layer, kind) regions, leader only
+        self._mappings: list[shm.Mapping] = []
+        endpoints: list[wire.RankEndpoint] = []
+        if self.ranks.is_leader:
+            listen = cfg.port if cfg.role is MessengerRole.PREFILL else 0
+            self.backend = create_backend(cfg.backend, BackendConfig(provider=cfg.provider, host=cfg.host,
+                                                                     port=listen))
+            for rank in range(self.ranks.size):
+                if rank == 0:
+                    regions, descriptors = self.view.register(self.backend)
+                else:
+                    regions, descriptors = self._register_peer_rank(backings[rank])
+                self.regions[rank] = regions
+                endpoints.append(wire.RankEndpoint(rank, self.backend.address, self.backend.instance,
+                                                   tuple(descriptors)))
+        self.endpoints: tuple[wire.RankEndpoint, ...] = tuple(endpoints)
+        self.backends_in_server = self.ranks.agree([int(self.backend is not None)])[0]
         args = scheduler.server_args
         model_path = str(args.model_path)
         name = args.served_model_name or model_path
-        self.name = cfg.name or f"{cfg.role.value}@{self.backend.address}"
+        self.name = cfg.name or f"{cfg.role.value}@{self.backend.address if self.backend else '?'}"
         self.spec = self.view.spec(os.path.basename(str(name).rstrip("/")), compat.fingerprint(model_path),
                                    self.ranks.size)
         self.wakeup = Wakeup()
         self.stats_file = StatsFile(cfg.stats_file if self.ranks.is_leader else "")
         self._stop = threading.Event()
         self._reader: threading.Thread | None = None
-        logger.info("messenger %s rank %d/%d: %s/%s on %s, %d KV regions (%s, page %d)", cfg.role.value,
-                    self.ranks.rank, self.ranks.size, self.backend.name, self.backend.provider or "-",
-                    self.backend.address, len(self.regions), self.view.geometry.layout.value, self.page_size)
+        if self.backend is not None:
+            logger.info("messenger %s: %s/%s on %s drives the KV of %d rank(s), %d regions each (%s, page %d)",
+                        cfg.role.value, self.backend.name, self.backend.provider or "-", self.backend.address,
+                        self.ranks.size, len(self.regions[0]), self.view.geometry.layout.value, self.page_size)
+
+    def _register_peer_rank(self, backings: list[tuple]) -> tuple[list[Any], list[str]]:
+        regions, descriptors = [], []
+        for path, offset, inode, length in backings:
+            m = shm.Mapping(path, offset, length, inode)
+            self._mappings.append(m)
+            region, desc = self.backend.register(m.addr, length)
+            regions.append(region)
+            descriptors.append(desc.decode())
+        return regions, descriptors
 
     def start_reader(self, handle: Callable[[Any, wire.Message], None]) -> None:
         """Leader only: read control messages from peers and hand decoded ones to `handle`."""
@@ -78,15 +115,20 @@ class Node:
         grammar = getattr(scheduler.grammar_manager, "grammar_backend", None)
         return {"role": self.cfg.role.value, "name": self.name, "backend": self.backend.name,
                 "provider": self.backend.provider, "address": self.backend.address, "tp": self.ranks.size,
+                # One backend instance in the whole server drives every rank's KV.
+                "backends": self.backends_in_server, "ranks_driven": len(self.regions),
                 "page_size": self.page_size, "layout": self.view.geometry.layout.value,
                 # Structured output lives on decoders only: a prefill server compiles none.
                 "grammars_compiled": len(getattr(grammar, "cache", ()) or ())}
 
     def close(self) -> None:
         self._stop.set()
-        self.backend.close()
+        if self.backend is not None:
+            self.backend.close()
         if self._reader is not None:
             self._reader.join(timeout=2.0)
+        for m in self._mappings:
+            m.close()
         self.wakeup.close()
 
 

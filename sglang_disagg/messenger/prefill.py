@@ -13,6 +13,14 @@ Scheduler-side contract (hooks.py calls these on every TP rank, in the scheduler
 Worker side (backend threads): write futures completing only count down and wake the
 scheduler. The control thread (leader) reads decoders' messages and answers first
 contact; everything that touches the scheduler goes through the broadcast.
+
+One messenger per server: the leader (TP rank 0) owns the only backend, the layer counter
+and the streamer, and posts the writes of every rank's pages (Node maps the other ranks'
+KV). The layer counter can live on the leader alone because the reduction of o_proj's
+partial sums synchronises the ranks: once the leader's forward passed layer L + 1, every
+rank computed layer L's KV (stream.py posts other ranks' pages one layer behind). The other ranks keep the same
+order bookkeeping (so every rank releases the same requests at the same step) but post
+nothing, and their writes count as done.
 """
 
 from __future__ import annotations
@@ -56,7 +64,7 @@ class PrefillMessenger:
         self.recent: collections.deque[dict] = collections.deque(maxlen=64)  # finished orders' timelines
         self.streamer: Streamer | None = None
         self._ticket: Ticket | None = None
-        if cfg.stream:
+        if cfg.stream and self.ranks.is_leader:
             counter = LayerCounter(scheduler.tp_worker.model_runner.model)
             early = os.environ.get(FAULT_ENV) == "early_writes"  # negative control: write before the KV exists
             self.streamer = Streamer(counter, self.node.view.geometry.num_layers, self._post, early=early,
@@ -126,16 +134,17 @@ class PrefillMessenger:
     def _join(self, item: DecoderJoined) -> None:
         hello = item.hello
         link = DecoderLink(hello, ShardPlan.build(self.node.view.geometry, self.ranks.size, hello.kv.tp))
-        targets = sorted({p.dst_rank for p in link.plan.pieces if p.src_rank == self.ranks.rank})
-        try:
-            for d in targets:
-                peer = self.backend.connect(hello.ranks[d].address, self.cfg.connect_timeout_s)
+        self.decoders[item.key] = link
+        if not self.ranks.is_leader:
+            return
+        try:  # one connection to the decoder's messenger, which holds every decode rank's regions
+            peer = self.backend.connect(hello.ranks[0].address, self.cfg.connect_timeout_s)
+            for d, endpoint in enumerate(hello.ranks):
                 link.peers[d] = peer
-                link.remote[d] = [peer.add_remote_region(desc) for desc in hello.ranks[d].regions]
+                link.remote[d] = [peer.add_remote_region(desc) for desc in endpoint.regions]
         except Exception as e:  # noqa: BLE001 - orders from this decoder will fail with it
             link.error = f"cannot reach decoder {hello.decoder}: {e}"
             logger.error("messenger: %s", link.error)
-        self.decoders[item.key] = link
 
     def _admit(self, item: OrderTicket) -> None:
         from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
@@ -210,6 +219,9 @@ class PrefillMessenger:
             if not self.streamer.wait(ticket):
                 for c in ticket.chunks:
                     c.rec.failed = c.rec.failed or "the layer streamer did not finish this forward"
+            for c in ticket.chunks:  # other ranks' last layer: reduced by the forward's end
+                if c.tail and not c.rec.failed:
+                    self._post(c, c.tail)
 
     def _chunk(self, req: Any, by_layer: bool) -> Chunk | None:
         """The pages `req` has complete once the current forward ends, not written yet, as
@@ -226,15 +238,16 @@ class PrefillMessenger:
         row = self.sched.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
         first, cached = rec.sent, max(rec.sent, min(upto, req.prefix_len // ps))
         chunk = Chunk(rec)
-        me = self.ranks.rank
+        if not self.ranks.is_leader:  # page ids are alike on every rank; the leader posts for all
+            self.stats["pages_sent"] += upto - rec.sent
+            rec.sent = upto
+            return None
         if cached > first or not by_layer:
             end = cached if by_layer else upto
-            chunk.ready = plan.groups((row[first * ps:end * ps:ps] // ps).tolist(), o.dst_pages[first:end],
-                                      src_rank=me)
+            chunk.ready = plan.groups((row[first * ps:end * ps:ps] // ps).tolist(), o.dst_pages[first:end])
         if by_layer and upto > cached:
-            for g in plan.groups((row[cached * ps:upto * ps:ps] // ps).tolist(), o.dst_pages[cached:upto],
-                                 src_rank=me):
-                chunk.by_layer.setdefault(g.layer, []).append(g)
+            chunk.place(plan.groups((row[cached * ps:upto * ps:ps] // ps).tolist(), o.dst_pages[cached:upto]),
+                        self.ranks.rank, self.node.view.geometry.num_layers)
         self.stats["pages_sent"] += upto - rec.sent
         rec.sent = upto
         rec.times.setdefault("forward_start", time.monotonic())
@@ -247,8 +260,8 @@ class PrefillMessenger:
         wakeup, last = self.node.wakeup, self.node.view.geometry.num_layers - 1
         try:
             for g in groups:
-                fut = post(self.backend, link.peers[g.dst_rank], g, self.node.regions, link.remote[g.dst_rank],
-                           rec.order.tag)
+                fut = post(self.backend, link.peers[g.dst_rank], g, self.node.regions[g.src_rank],
+                           link.remote[g.dst_rank], rec.order.tag)
                 rec.posted_one()
                 self.stats["writes_posted"] += g.writes
                 layer = None if groups is chunk.ready else g.layer  # streamed groups time the layers

@@ -8,6 +8,12 @@ was posted. Worker side (this thread): for layer L it blocks until the layer cou
 Completion is unchanged: the decoder counts the same writes by immediate.
 
 Without a counter (``stream=False``) the same chunks are posted whole after the forward.
+
+Other TP ranks' pages (the leader posts for its whole server) run one layer behind: the
+counter ticks after the leader's o_proj, and SGLang reduces o_proj's partial sums later
+in the layer (fused with the next norm), so only the leader's layer L+1 proves that every
+rank finished layer L. Their groups of layer L sit under ``by_layer[L + 1]``, and those
+of the last layer in ``tail``, which the scheduler posts once the forward returned.
 """
 
 from __future__ import annotations
@@ -35,6 +41,18 @@ class Chunk:
     rec: Any                                                      # prefill.Record
     ready: list[WriteGroup] = field(default_factory=list)         # pages that already exist
     by_layer: dict[int, list[WriteGroup]] = field(default_factory=dict)
+    tail: list[WriteGroup] = field(default_factory=list)          # posted after the forward returned
+
+    def place(self, groups: list[WriteGroup], own_rank: int, num_layers: int) -> None:
+        """File freshly computed pages' groups by the layer whose end proves them written:
+        this rank's at their own layer, other ranks' one layer later (see above)."""
+        for g in groups:
+            if g.src_rank == own_rank:
+                self.by_layer.setdefault(g.layer, []).append(g)
+            elif g.layer + 1 < num_layers:
+                self.by_layer.setdefault(g.layer + 1, []).append(g)
+            else:
+                self.tail.append(g)
 
 
 @dataclass(slots=True, eq=False)

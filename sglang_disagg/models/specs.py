@@ -68,7 +68,7 @@ BUILTIN_MODELS: dict[str, ModelSpec] = {
                   num_kv_heads=2, intermediate_size=704, seed=3),
         # Large enough that prefill visibly stalls decode on a CPU core (benchmarks).
         ModelSpec("small-llama", Architecture.LLAMA, hidden_size=1024, num_layers=8, num_heads=16,
-                  num_kv_heads=4, intermediate_size=2816, seed=2),
+                  num_kv_heads=4, intermediate_size=2816, max_position_embeddings=8192, seed=2),
     )
 }
 

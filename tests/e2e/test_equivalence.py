@@ -51,3 +51,6 @@ def test_concurrent_matches_colocated(pd):
         assert stats["requests_failed"] == 0 and stats["pages_quarantined"] == 0
         assert stats["requests_carried"] >= 2 * (len(prompts) - 1)
         assert sum(stats["in_flight"].values()) == 0
+        for role, tp in (("prefill", stack.cfg.prefill_tp), ("decode", stack.cfg.decode_tp)):
+            node = stack.messenger_stats(role)  # one messenger per server, whatever its TP
+            assert (node["tp"], node["backends"], node["ranks_driven"]) == (tp, 1, tp)

@@ -54,7 +54,9 @@ def test_structured_output_matches_colocated_and_prefill_builds_no_grammar(stack
 @pytest.mark.parametrize("n_tokens", [2, 17, 100, 165])
 def test_a_request_costs_pages_times_layers_writes(stack, n_tokens):
     before = _stats(stack)
-    generate_ids(stack.url, [1] + [8 + i % 3000 for i in range(n_tokens - 1)], 2)
+    # a second token no other prompt here starts with, so no page is a prefix the
+    # decoder already holds (decode-side prefix reuse would rightly skip its writes)
+    generate_ids(stack.url, [1] + [2000 + 7 * n_tokens + i % 1000 for i in range(n_tokens - 1)], 2)
     after = _stats(stack, until=lambda s: s["requests_carried"] > before["requests_carried"])
     # prompt minus its last token, pages of 16, 4 layers, K and V, prefill TP 1 -> decode TP 1
     assert after["writes_received"] - before["writes_received"] == pages_for(n_tokens - 1, 16) * 4 * 2

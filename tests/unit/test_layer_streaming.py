@@ -124,3 +124,18 @@ def test_a_forward_that_never_reaches_a_layer_fails_its_chunks(monkeypatch):
     finally:
         streamer.close()
     assert "never finished layer 0" in chunk.rec.failed
+
+
+@pytest.mark.parametrize("src_tp,dst_tp", [(1, 1), (2, 1), (4, 2), (1, 2)])
+def test_other_ranks_pages_wait_one_layer_for_the_reduction_that_proves_them_written(src_tp, dst_tp):
+    from sglang_disagg.messenger.planner import KVGeometry, Layout, ShardPlan
+
+    geometry = KVGeometry(num_layers=4, kv_heads=4, head_dim=8, v_head_dim=8, page_size=16, dtype_bytes=4,
+                          layout=Layout.HND)
+    groups = ShardPlan.build(geometry, src_tp, dst_tp).groups([3, 4], [7, 8])
+    chunk = _chunk(layers=0)
+    chunk.place(groups, own_rank=0, num_layers=4)
+    filed = [(layer, g) for layer, gs in chunk.by_layer.items() for g in gs] + [(4, g) for g in chunk.tail]
+    assert sorted(id(g) for _, g in filed) == sorted(id(g) for g in groups)  # every group, once
+    for layer, g in filed:
+        assert layer == (g.layer if g.src_rank == 0 else g.layer + 1)
