@@ -86,8 +86,9 @@ def messenger() -> Any:
 
 
 def kv_zeros(shape: Any, dtype: Any, device: Any) -> Any:
-    """The KV pool's buffers: in messenger mode on CPU, zeroed shared memory (a memfd) that
-    a same-host peer can map and write (shmem backend); plain torch.zeros otherwise."""
+    """The KV pool's buffers: in messenger mode, memory the server's messenger (TP rank 0)
+    and same-host peers can map - on CPU zeroed shared memory (a memfd, shm.py), on GPU
+    cuMem allocations exportable as file descriptors (cumem.py); plain torch.zeros otherwise."""
     import torch
 
     from sglang_disagg.messenger.config import ENV
@@ -96,6 +97,10 @@ def kv_zeros(shape: Any, dtype: Any, device: Any) -> Any:
         from sglang_disagg.shm import shared_zeros
 
         return shared_zeros(tuple(shape), dtype)
+    if str(device).startswith("cuda") and os.environ.get(ENV):
+        from sglang_disagg.cumem import exportable_zeros
+
+        return exportable_zeros(tuple(shape), dtype, device)
     return torch.zeros(shape, dtype=dtype, device=device)
 
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import os
+import dataclasses
 import signal
 import sys
 import time
 
 from sglang_disagg.launch.client import chat
 from sglang_disagg.launch.config import LaunchConfig, Mode, Role
+from sglang_disagg.launch.deploy import load as load_deployment
 from sglang_disagg.launch.preflight import PreflightError
 from sglang_disagg.launch.process import StartupError, log_tail
 from sglang_disagg.launch.stack import Stack
@@ -21,17 +24,32 @@ upstream = SGLang's own PD path (--backend mooncake|nixl), router in PD mode.
 
 Arguments not listed here are passed through to every SGLang server,
 e.g. --chunked-prefill-size 256. Built-in models (random weights, for plumbing,
-tests and benchmarks): tiny-llama (default), tiny-qwen3, small-llama."""
+tests and benchmarks): tiny-llama (default), tiny-qwen3, tiny-qwen2, small-llama.
+
+A deployment file: --config FILE --node NAME starts one of its groups (flags override the
+file); "render k8s|slurm FILE" prints Kubernetes manifests or a Slurm batch script for it."""
 
 
-def parse(argv: list[str]) -> tuple[LaunchConfig, bool]:
+# argparse destination -> LaunchConfig field
+FIELDS = {"role": "role", "model_path": "model", "port": "port", "host": "host", "mode": "mode",
+          "backend": "backend", "provider": "provider", "device": "device", "prefill_tp": "prefill_tp",
+          "decode_tp": "decode_tp", "dtype": "dtype", "max_total_tokens": "max_total_tokens",
+          "page_size": "page_size", "prefill_url": "prefill_urls", "decode_url": "decode_urls",
+          "prefill_messenger": "prefill_messengers", "log_dir": "log_dir", "startup_timeout": "startup_timeout_s",
+          "transfer_timeout": "transfer_timeout_s", "drain_timeout": "drain_timeout_s", "pin_cores": "pin_cores", "stream": "stream", "decode_prefix_reuse": "reuse_prefix"}
+
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m sglang_disagg.launch", epilog=EPILOG,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--role", type=Role, choices=list(Role), required=True,
-                    metavar="{" + ",".join(r.value for r in Role) + "}")
+    ap.add_argument("--role", type=Role, choices=list(Role), default=None,
+                    metavar="{" + ",".join(r.value for r in Role) + "}", help="required unless --config names it")
+    ap.add_argument("--config", default=None, help="a deployment TOML file (launch/deployment.example.toml); "
+                                                   "flags given here override it")
+    ap.add_argument("--node", default=None, help="with --config: the group (or 'router') to start on this machine")
     ap.add_argument("--model-path", default=DEFAULT_MODEL, help="built-in model name or a model directory")
     ap.add_argument("--port", type=int, default=30000,
-                    help="front door: the router (all/router) or the server; the stack also uses the 7 ports above")
+                    help="front door: the router (all/router) or the server; the stack also uses the 9 ports above")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--mode", type=Mode, choices=list(Mode), default=Mode.MESSENGER,
                     metavar="{" + ",".join(m.value for m in Mode) + "}")
@@ -50,6 +68,8 @@ def parse(argv: list[str]) -> tuple[LaunchConfig, bool]:
     ap.add_argument("--transfer-timeout", type=float, default=60.0,
                     help="messenger: seconds a decoder waits for a request's KV before failing it")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--pin-cores", action="store_true",
+                    help="--role all on CPU: pin the prefill and the decode server to their own half of the cores")
     ap.add_argument("--tp", type=int, default=None, help="TP size of a single-server role")
     ap.add_argument("--prefill-tp", type=int, default=1)
     ap.add_argument("--decode-tp", type=int, default=1)
@@ -59,21 +79,39 @@ def parse(argv: list[str]) -> tuple[LaunchConfig, bool]:
     ap.add_argument("--decode-url", action="append", default=[], help="router role: http://host:port")
     ap.add_argument("--log-dir", default=None, help="where server logs go (default: a new temp dir)")
     ap.add_argument("--startup-timeout", type=float, default=300.0)
+    ap.add_argument("--drain-timeout", type=float, default=30.0,
+                    help="on SIGTERM, seconds in-flight requests may take to finish before everything stops")
     ap.add_argument("--smoke", action="store_true",
                     help="start, send one chat completion through the front door, print it, stop; exit 0 on success")
+    return ap
+
+
+def _fields(ns: dict) -> dict:
+    out = {FIELDS[k]: (tuple(v) if isinstance(v, list) else v) for k, v in ns.items() if k in FIELDS}
+    if ns.get("tp") is not None:
+        out["prefill_tp"] = out["decode_tp"] = ns["tp"]
+    return out
+
+
+def parse(argv: list[str]) -> tuple[LaunchConfig, bool]:
+    ap = _parser()
     args, extra = ap.parse_known_args(argv)
-    prefill_tp, decode_tp = args.prefill_tp, args.decode_tp
-    if args.tp is not None:
-        prefill_tp = decode_tp = args.tp
-    cfg = LaunchConfig(
-        role=args.role, model=args.model_path, port=args.port, host=args.host, mode=args.mode,
-        backend=args.backend, provider=args.provider, device=args.device, prefill_tp=prefill_tp,
-        decode_tp=decode_tp, dtype=args.dtype, max_total_tokens=args.max_total_tokens, page_size=args.page_size,
-        prefill_urls=tuple(args.prefill_url), decode_urls=tuple(args.decode_url),
-        prefill_messengers=tuple(args.prefill_messenger), extra_args=tuple(extra), log_dir=args.log_dir,
-        startup_timeout_s=args.startup_timeout, transfer_timeout_s=args.transfer_timeout, stream=args.stream,
-        reuse_prefix=args.decode_prefix_reuse,
-    )
+    if args.config is None:
+        if args.node is not None:
+            ap.error("--node names a node of a --config file")
+        if args.role is None:
+            ap.error("--role is required (or --config FILE --node NAME)")
+        fields = _fields(vars(args))
+        return LaunchConfig(**fields, extra_args=tuple(extra)), args.smoke
+    if args.node is None:
+        ap.error("--config needs --node NAME: the group (or 'router') this machine runs")
+    # Only the flags actually given override the file: parse again with no defaults.
+    quiet = _parser()
+    for action in quiet._actions:
+        action.default = argparse.SUPPRESS
+    given, _ = quiet.parse_known_args(argv)
+    base = load_deployment(args.config).launch_config(args.node)
+    cfg = dataclasses.replace(base, **_fields(vars(given)), extra_args=base.extra_args + tuple(extra))
     return cfg, args.smoke
 
 
@@ -109,7 +147,7 @@ def carrier(stack: Stack, wait_s: float = 3.0) -> str:
 def serve(stack: Stack) -> int:
     say(f"serving on {stack.url} (OpenAI-compatible); logs in {stack.log_dir}; Ctrl-C to stop")
     say("try: curl -s " + stack.url + "/v1/chat/completions -H 'Content-Type: application/json' "
-        "-d '{\"model\": \"default\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}], \"max_tokens\": 32}'")
+        "-d '{\"model\": \"" + os.path.basename(stack.cfg.model.rstrip("/")) + "\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}], \"max_tokens\": 32}'")
     while True:
         time.sleep(1)
         dead = stack.dead()
@@ -119,14 +157,25 @@ def serve(stack: Stack) -> int:
             return 1
 
 
+_terminated = False
+
+
 def _interrupt(signum: int, frame: object) -> None:
-    """SIGTERM takes the same clean path as Ctrl-C: every child is stopped."""
+    """SIGTERM drains (in-flight requests finish, within --drain-timeout), then every child
+    is stopped; Ctrl-C stops at once."""
+    global _terminated
+    _terminated = True
     raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["render"]:
+        from sglang_disagg.launch.render import main as render
+
+        return render(argv[1:])
     try:
-        cfg, do_smoke = parse(sys.argv[1:] if argv is None else argv)
+        cfg, do_smoke = parse(argv)
         stack = Stack.for_config(cfg)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -148,9 +197,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         say("stopping")
-        return 130 if not do_smoke else 1
+        return 1 if do_smoke else 0 if _terminated else 130
     finally:
-        stack.stop()
+        if _terminated:
+            say(f"draining in-flight requests (at most {cfg.drain_timeout_s:.0f}s), then stopping")
+        stack.stop(drain_s=cfg.drain_timeout_s if _terminated else 0.0)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,12 @@ Why each CPU flag is there:
   by default, so two servers on 2 cores run 4 compute threads and spin at
   barriers (measured: 34 -> ~190 output tok/s for the upstream stack under
   concurrency). Each server gets threads for the cores it is given.
+- ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0``: SGLang's ``/health`` otherwise runs a
+  one-token generation through the scheduler, which a long prefill blocks for seconds; the
+  router (checks every 2 s, 2 failures) then declared a busy prefill server dead (measured:
+  upstream PD refused a 2048-token prompt on small-llama with "No available prefill
+  workers"). A busy server is not a dead one: the probe answers from the HTTP process, and
+  a dead scheduler takes its server process down with it.
 - upstream prefill ``--disable-overlap-schedule``: the overlap path records a
   CUDA event. Messenger servers disable it too: on CPU a forward runs
   synchronously, so overlap would only delay a chunk's KV writes by one forward.
@@ -44,6 +50,7 @@ class ProcessSpec:
     argv: tuple[str, ...]
     env: tuple[tuple[str, str], ...]
     port: int  # the HTTP port to health-check
+    cpus: tuple[int, ...] = ()  # pinned to these cores (sched_setaffinity), inherited by its children
 
     def environ(self) -> dict[str, str]:
         return os.environ.copy() | dict(self.env)
@@ -57,6 +64,13 @@ def server_cores(cfg: LaunchConfig, role: Role) -> list[int]:
         return cores
     half = max(1, len(cores) // 2)
     return cores[:half] if role is Role.PREFILL else cores[half:]
+
+
+def _pinned(cfg: LaunchConfig, role: Role) -> tuple[int, ...]:
+    """--pin-cores: each server of `--role all` on its own cores (its children inherit them)."""
+    if not cfg.pin_cores or cfg.device != "cpu" or cfg.role is not Role.ALL:
+        return ()
+    return tuple(server_cores(cfg, role))
 
 
 def _threads_env(cfg: LaunchConfig, role: Role, tp: int) -> dict[str, str]:
@@ -82,6 +96,8 @@ def _server_base(cfg: LaunchConfig, model_path: str, builtin: bool, port: int, d
         "--tp", str(tp),
         "--nccl-port", str(dist_port),
     ]
+    if builtin:  # /v1/models names it "tiny-llama", not the cache directory it was generated in
+        argv += ["--served-model-name", cfg.model]
     dtype = cfg.dtype or ("float32" if builtin else None)
     if dtype:
         argv += ["--dtype", dtype]
@@ -97,6 +113,7 @@ def _server_base(cfg: LaunchConfig, model_path: str, builtin: bool, port: int, d
 
 def _env(cfg: LaunchConfig, role: Role, tp: int, extra: dict[str, str] | None = None) -> tuple[tuple[str, str], ...]:
     env = dict(CPU_SERVER_ENV) if cfg.device == "cpu" else {}
+    env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] = "0"  # /health answers without the scheduler
     if cfg.host not in ("0.0.0.0", "::"):
         # Bootstrap and transfer engines advertise this address to peers.
         env["SGLANG_HOST_IP"] = cfg.host
@@ -114,9 +131,10 @@ def messenger_config(cfg: LaunchConfig, role: Role, log_dir: Path | None = None)
     common = dict(backend=cfg.transfer_backend, provider=cfg.transfer_provider, host=cfg.host, name=name,
                   stats_file=stats, transfer_timeout_s=cfg.transfer_timeout_s, stream=cfg.stream, reuse_prefix=cfg.reuse_prefix)
     if role is Role.PREFILL:
-        return MessengerConfig(role=MessengerRole.PREFILL, port=ports.bootstrap, **common)
+        return MessengerConfig(role=MessengerRole.PREFILL, port=ports.bootstrap, metrics_port=ports.prefill_metrics,
+                               **common)
     prefill = cfg.prefill_messengers or (f"{cfg.host}:{ports.bootstrap}",)
-    return MessengerConfig(role=MessengerRole.DECODE, prefill=prefill, **common)
+    return MessengerConfig(role=MessengerRole.DECODE, prefill=prefill, metrics_port=ports.decode_metrics, **common)
 
 
 def _messenger_server(cfg: LaunchConfig, role: Role, argv: list[str], tp: int, log_dir: Path | None) -> tuple:
@@ -151,7 +169,7 @@ def server_spec(cfg: LaunchConfig, role: Role, model_path: str, builtin: bool,
             if cfg.page_size is not None:
                 argv += ["--page-size", str(cfg.page_size)]
             env = _env(cfg, role, tp)
-        return ProcessSpec("prefill", tuple(argv + list(cfg.extra_args)), env, port)
+        return ProcessSpec("prefill", tuple(argv + list(cfg.extra_args)), env, port, _pinned(cfg, role))
     if role is Role.DECODE:
         tp, port = cfg.decode_tp, ports.decode
         argv = _server_base(cfg, model_path, builtin, port, ports.decode_dist, tp)
@@ -164,7 +182,7 @@ def server_spec(cfg: LaunchConfig, role: Role, model_path: str, builtin: bool,
             if cfg.page_size is not None:
                 argv += ["--page-size", str(cfg.page_size)]
             env = _env(cfg, role, tp)
-        return ProcessSpec("decode", tuple(argv + list(cfg.extra_args)), env, port)
+        return ProcessSpec("decode", tuple(argv + list(cfg.extra_args)), env, port, _pinned(cfg, role))
     raise ValueError(f"{role} is not a server role")
 
 

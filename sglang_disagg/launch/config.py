@@ -71,6 +71,15 @@ class Ports:
     def router_metrics(self) -> int:
         return self.front + 7
 
+    @property
+    def prefill_metrics(self) -> int:
+        """Messenger mode: the prefill server's messenger metrics (Prometheus)."""
+        return self.front + 8
+
+    @property
+    def decode_metrics(self) -> int:
+        return self.front + 9
+
     def all(self, role: Role, mode: Mode = Mode.MESSENGER) -> dict[str, int]:
         if role is Role.COLOCATED:
             return {"colocated server": self.front, "colocated dist-init": self.colocated_dist}
@@ -84,10 +93,12 @@ class Ports:
             "decode dist-init": self.decode_dist,
             "router metrics": self.router_metrics,
         }
+        if mode is Mode.MESSENGER:
+            ports |= {"prefill metrics": self.prefill_metrics, "decode metrics": self.decode_metrics}
         keep = {
             Role.ALL: ports.keys(),
-            Role.PREFILL: ("prefill server", link, "prefill dist-init"),
-            Role.DECODE: ("decode server", "decode dist-init"),
+            Role.PREFILL: ("prefill server", link, "prefill dist-init", "prefill metrics"),
+            Role.DECODE: ("decode server", "decode dist-init", "decode metrics"),
             Role.ROUTER: ("router", "router metrics"),
         }[role]
         return {k: v for k, v in ports.items() if k in keep}
@@ -114,14 +125,16 @@ class LaunchConfig:
     extra_args: tuple[str, ...] = ()  # passed through to every SGLang server
     log_dir: str | None = None
     startup_timeout_s: float = 300.0
+    pin_cores: bool = False  # --role all on CPU: pin prefill and decode servers to their own cores
+    drain_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may take to finish
     transfer_timeout_s: float = 60.0
     stream: bool = True  # messenger: write each layer's pages as the prefill forward passes it
     reuse_prefix: bool = True  # messenger: decoders send only what their radix cache lacks
     env: tuple[tuple[str, str], ...] = field(default=())
 
     def __post_init__(self) -> None:
-        if not 1024 <= self.port <= 65535 - 8:
-            raise ValueError(f"--port {self.port}: must be in 1024..65527 (the stack uses port..port+7)")
+        if not 1024 <= self.port <= 65535 - 9:
+            raise ValueError(f"--port {self.port}: must be in 1024..65526 (the stack uses port..port+9)")
         for name, tp in (("--prefill-tp", self.prefill_tp), ("--decode-tp", self.decode_tp)):
             if tp < 1:
                 raise ValueError(f"{name} must be >= 1, got {tp}")

@@ -26,7 +26,7 @@ def check_ports_free(cfg: LaunchConfig) -> None:
     if busy:
         raise PreflightError(
             f"port(s) in use on {cfg.host}: {', '.join(busy)}; stop what holds them or pick another "
-            f"--port (the stack uses --port and the seven ports above it)"
+            f"--port (the stack uses --port and the nine ports above it)"
         )
 
 

@@ -55,6 +55,7 @@ class ManagedProcess:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
+            preexec_fn=(lambda: os.sched_setaffinity(0, self.spec.cpus)) if self.spec.cpus else None,
         )
         log.close()
 
@@ -76,6 +77,24 @@ class ManagedProcess:
                 + log_tail(self.log_path)
             )
 
+    def drain(self) -> None:
+        """SIGTERM to the server process alone (not its group): SGLang refuses new requests,
+        finishes those in flight and exits; its schedulers keep running until then."""
+        if self._proc and self._proc.poll() is None:
+            try:
+                self._proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    def wait_exit(self, timeout_s: float) -> bool:
+        if not self._proc:
+            return True
+        try:
+            self._proc.wait(max(0.0, timeout_s))
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+
     def stop(self, grace_s: float = 10.0) -> None:
         if not self._proc or self._proc.poll() is not None:
             return
@@ -96,3 +115,12 @@ class ManagedProcess:
             self._proc.wait(5)
         except subprocess.TimeoutExpired:
             pass
+        # Until the last of them is gone it holds its ports (a scheduler unmapping a large
+        # KV pool takes a moment): a stack started right after must find them free.
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(self._proc.pid, 0)
+            except (ProcessLookupError, PermissionError):
+                return
+            time.sleep(0.05)

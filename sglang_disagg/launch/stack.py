@@ -143,7 +143,17 @@ class Stack:
                 time.sleep(1)
         raise StartupError(f"router on {self.url} never routed a request: {last_err}\n" + log_tail(self.router.log_path))
 
-    def stop(self) -> None:
+    def stop(self, drain_s: float = 0.0) -> None:
+        """Stop every process. With `drain_s`, first let the servers that hold clients'
+        requests (decoders, a colocated server) finish what is in flight, for at most
+        `drain_s` seconds, while the router and prefill servers still serve them."""
+        if drain_s > 0:
+            front = [p for p in self.servers if p.spec.name in ("decode", "colocated")]
+            deadline = time.monotonic() + drain_s
+            for p in front:
+                p.drain()
+            for p in front:
+                p.wait_exit(deadline - time.monotonic())
         for p in reversed(self.processes):
             p.stop()
 

@@ -36,7 +36,8 @@ class MessengerConfig:
     """`port`: where a prefill server's messenger listens (decoders connect there; 0 on a
     decoder). `prefill`: the prefill messengers a decoder may use, as host:port.
     `transfer_timeout_s`: how long a decoder waits for a request's KV before failing it.
-    `stats_file`: where the leader publishes its counters as JSON ("" = nowhere).
+    `stats_file`: where the leader publishes its counters as JSON ("" = nowhere);
+    `metrics_port`: where it serves them to Prometheus (0 = nowhere).
     `stream`: a prefill server posts each layer's writes as the forward passes that layer
     (False: a chunk's writes after its forward ends). `reuse_prefix`: a decoder asks only
     for the pages after what its radix tree holds of a prompt (False: whole prompts)."""
@@ -53,6 +54,7 @@ class MessengerConfig:
     stats_file: str = ""
     stream: bool = True
     reuse_prefix: bool = True
+    metrics_port: int = 0  # Prometheus endpoint of the leader (0 = none)
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, MessengerRole):
@@ -63,8 +65,10 @@ class MessengerConfig:
                                   f"{', '.join(r.value for r in MessengerRole)}") from None
         if not isinstance(self.backend, str) or not self.backend:
             raise ConfigError("backend: a transfer backend name is required (libfabric, nixl, mooncake)")
-        if not isinstance(self.port, int) or not 0 <= self.port < 65536:
-            raise ConfigError(f"port: {self.port!r} is not a port number")
+        for name in ("port", "metrics_port"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 65536:
+                raise ConfigError(f"{name}: {value!r} is not a port number")
         object.__setattr__(self, "prefill", tuple(self.prefill))
         for i, addr in enumerate(self.prefill):
             _address(addr, f"prefill[{i}]")

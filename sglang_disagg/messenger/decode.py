@@ -40,6 +40,7 @@ from .faults import Fault
 from .inputs import Route
 from .kvpool import page_ids
 from .links import Links
+from .metrics import Cause
 from .node import Node
 from .planner import ShardPlan, pages_for
 from .requests import HANDOFF_ATTR, abort_matches, fail_request, release
@@ -74,6 +75,8 @@ class Entry:
     routed: bool = False          # leader: a Route for it is on its way
     landed: bool = False          # this rank: every expected write arrived
     failed: str = ""              # this rank: why it failed
+    cause: Cause | None = None    # ... as a metric label
+    bytes: int = 0                # bytes the whole request's writes move
     release: int = 0              # leader: _FREE / _QUARANTINE once decided
     cancel_sent: float = 0.0
     times: dict = field(default_factory=dict)  # monotonic timestamps of the lifecycle
@@ -93,6 +96,7 @@ class DecodeMessenger:
         self.links: Links | None = None
         self._inbox: collections.deque[tuple[Any, wire.Message]] = collections.deque()
         self.recent: collections.deque[dict] = collections.deque(maxlen=64)  # handed-off requests' timelines
+        self._first_step: dict[str, float] = {}  # rid -> hand-off time, until its first output token
         if self.ranks.is_leader:
             hello = wire.Hello(decoder=self.node.name, backend=self.backend.name, provider=self.backend.provider,
                                kv=self.node.spec, ranks=self.node.endpoints)
@@ -105,6 +109,7 @@ class DecodeMessenger:
         local_reason = self._runs_locally(req, n)
         if local_reason:
             self.stats["requests_local"] += 1
+            self.node.metrics.requests.labels("local").inc()
             logger.debug("messenger: %s runs on the decoder (%s)", req.rid, local_reason)
             return False
         e = Entry(next(self._seq), req, n, Phase.MEMORY, time.monotonic())
@@ -198,12 +203,13 @@ class DecodeMessenger:
                 self.links.links[route.link].outstanding -= 1
             return
         if route.error:
-            self._finish_failed(e, route.error)
+            self._finish_failed(e, route.error, Cause.NO_PREFILL)
             return
         plan = ShardPlan.build(self.node.view.geometry, route.prefill_tp, self.ranks.size)
         e.tag, e.link, e.phase = route.tag, route.link, Phase.TRANSFER
         e.times["route"] = time.monotonic()
         e.writes = plan.total_writes(len(e.pages) - e.start_page)
+        e.bytes = plan.total_bytes(len(e.pages) - e.start_page)
         if not self.ranks.is_leader:  # the leader's backend counts the writes into every rank's pages
             e.landed = True
             return
@@ -218,7 +224,7 @@ class DecodeMessenger:
             self.links.links[e.link].send(order)
             e.times["sent"] = time.monotonic()
         except Exception as exc:  # noqa: BLE001 - becomes this request's failure
-            e.failed = f"could not send the prefill request to {e.link}: {exc}"
+            e.failed, e.cause = f"could not send the prefill request to {e.link}: {exc}", Cause.SEND
 
     def _on_expect(self, e: Entry, fut: Any) -> None:  # backend thread
         err = fut.exception()
@@ -226,7 +232,7 @@ class DecodeMessenger:
         if err is None:
             e.landed = True
         elif not e.failed:
-            e.failed = f"KV transfer from {e.link} failed: {err}"
+            e.failed, e.cause = f"KV transfer from {e.link} failed: {err}", Cause.TRANSFER
         self.node.wakeup.set()
 
     def _on_message(self, peer: Any, msg: wire.Message) -> None:  # control thread (leader)
@@ -243,6 +249,7 @@ class DecodeMessenger:
                 if e.tag == msg.tag and e.link and self.links.links[e.link].peer is peer:
                     if isinstance(msg, wire.OrderFailed) and not e.failed:
                         e.failed = f"prefill server {e.link} failed the request: {msg.reason}"
+                        e.cause = Cause.PREFILL
                     e.release = _FREE  # the prefill server is done with this tag either way
 
     # ----- every iteration ------------------------------------------------------------
@@ -270,13 +277,24 @@ class DecodeMessenger:
             landed, failed, release = sums[3 * i:3 * i + 3]
             if e.phase is Phase.TRANSFER:
                 if failed:
-                    self._fail(e, e.failed or "KV transfer failed on another TP rank")
+                    self._fail(e, e.failed or "KV transfer failed on another TP rank", e.cause or Cause.TRANSFER)
                 elif landed == self.ranks.size:
                     self._hand_off(e)
             elif release:
                 self._release(e, quarantine=release == _QUARANTINE)
         if self.ranks.is_leader:
             self.node.stats_file.publish(self.snapshot)
+            if self.node.metrics.gauges_due():
+                self._set_gauges()
+
+    def _set_gauges(self) -> None:
+        m = self.node.metrics
+        m.set_scheduler_gauges(self.sched, self.node.page_size)
+        phases = collections.Counter(e.phase.name.lower() for e in self.entries.values())
+        for p in Phase:
+            m.in_flight.labels(p.name.lower()).set(phases[p.name.lower()])
+        for address, link in (self.links.links.items() if self.links else ()):
+            m.peers.labels(address).set(link.outstanding)
 
     def snapshot(self) -> dict:
         phases = {p.name.lower(): 0 for p in Phase}
@@ -319,6 +337,17 @@ class DecodeMessenger:
         req.arrival_processed_tokens = sched.processed_tokens_counter
         self.stats["requests_carried"] += 1
         self.stats["writes_received"] += e.writes
+        m, now = self.node.metrics, time.monotonic()
+        m.requests.labels("carried").inc()
+        m.writes.inc(e.writes)
+        m.bytes.inc(e.bytes)
+        t = e.times
+        m.observe_ttft("memory", t.get("take"), t.get("route"))
+        m.observe_ttft("prefill", t.get("sent"), t.get("landed"))
+        if "sent" in t and "landed" in t:
+            m.transfer.observe(max(0.0, t["landed"] - t["sent"]))
+        if len(self._first_step) < 4096:  # bounded: entries of requests that never decode are dropped
+            self._first_step[req.rid] = now
         self.recent.append({"rid": req.rid, "tokens": e.n_tokens, "pages": len(e.pages), "reused": e.start_page,
                             "writes": e.writes} | e.times | {"handoff": time.monotonic()})
         if TRACE:
@@ -327,17 +356,19 @@ class DecodeMessenger:
                         "ms since take: %s", req.rid[:8], e.times["take"], e.n_tokens, len(e.pages), e.expected,
                         ", ".join(f"{k} {1000 * (v - t['take']):.1f}" for k, v in t.items()))
 
-    def _fail(self, e: Entry, reason: str) -> None:
+    def _fail(self, e: Entry, reason: str, cause: Cause) -> None:
         self.stats["requests_failed"] += 1
+        self.node.metrics.fail(cause)
         logger.warning("messenger: request %s failed: %s", e.req.rid, reason)
         fail_request(self.sched, e.req, reason)
         if e.tag >= 0 and self.backend is not None:
             self.backend.retire(e.tag, reason)
         e.phase, e.failed = Phase.RELEASE, reason
 
-    def _finish_failed(self, e: Entry, reason: str) -> None:
+    def _finish_failed(self, e: Entry, reason: str, cause: Cause) -> None:
         """Fail a request no write was ever asked for: free its pages now."""
         self.stats["requests_failed"] += 1
+        self.node.metrics.fail(cause)
         fail_request(self.sched, e.req, reason)
         del self.entries[e.seq]
         release(self.sched, e.req)
@@ -364,9 +395,9 @@ class DecodeMessenger:
             if not abort_matches(recv_req, e.req.rid):
                 continue
             if e.phase is Phase.TRANSFER:
-                self._fail(e, "aborted")
+                self._fail(e, "aborted", Cause.ABORTED)
             elif e.phase in (Phase.MEMORY, Phase.ROUTE):
-                self._finish_failed(e, "aborted")
+                self._finish_failed(e, "aborted", Cause.ABORTED)
         # Handed-off requests wait in SGLang's queue holding their KV: SGLang's own abort
         # would drop them from the queue without freeing it.
         for req in [r for r in self.sched.waiting_queue if getattr(r, HANDOFF_ATTR, None) and r.kv.holds_kv]:
@@ -383,7 +414,15 @@ class DecodeMessenger:
         """Nothing to send from a decoder."""
 
     def after_forward(self, batch: Any) -> None:
-        """Nothing to send from a decoder."""
+        """Nothing to send from a decoder: time the first step of handed-off requests."""
+        if not self._first_step:
+            return
+        now = time.monotonic()
+        for req in batch.reqs:
+            start = self._first_step.get(req.rid)
+            if start is not None and req.output_ids:
+                del self._first_step[req.rid]
+                self.node.metrics.observe_ttft("first_step", start, now)
 
     def hold_release(self, req: Any, checkpoint: bool) -> bool:
         return False

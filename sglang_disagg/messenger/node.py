@@ -14,10 +14,11 @@ from typing import Any
 
 from ..backends import BackendConfig, DeadlineExceeded, create_backend
 from ..backends.base import TransferBackend
-from .. import shm
+from .. import cumem, shm
 from . import compat, wire
 from .config import MessengerConfig, MessengerRole
 from .kvpool import KVPoolView
+from .metrics import MessengerMetrics
 from .ranks import RankGroup
 from .wakeup import Wakeup
 
@@ -26,8 +27,9 @@ logger = logging.getLogger("sglang_disagg.messenger")
 
 class Node:
     """The server's messenger endpoint: ONE transfer backend, on TP rank 0 (the leader),
-    drives the KV memory of every rank. Every rank's pool lives in shared memory (kv_zeros);
-    the other ranks tell the leader where (shm.locate), the leader maps their buffers and
+    drives the KV memory of every rank. Every rank's pool lives in shared memory (kv_zeros:
+    a memfd on CPU, a cuMem allocation on GPU); the other ranks tell the leader where
+    (shm.locate / cumem.export), the leader maps their buffers and
     registers all of them, so pages of every rank move through one backend instance and one
     connection per peer server. Non-leader ranks keep no backend: they follow the leader's
     decisions through the scheduler's broadcast and ranks.agree()."""
@@ -42,13 +44,10 @@ class Node:
         self.view = KVPoolView.from_pool(pool, scheduler.model_config.get_total_num_kv_heads())
         self.page_size = self.view.geometry.page_size
         # Where this rank's buffers live, for the leader to map (its own need no mapping).
-        where = None if self.ranks.is_leader else [
-            dataclasses.astuple(shm.locate(t.data_ptr(), t.numel() * t.element_size())) + (t.numel() * t.element_size(),)
-            for t in self.view.tensors]
-        backings = self.ranks.gather(where)
+        backings = self.ranks.gather(None if self.ranks.is_leader else [_backing(t) for t in self.view.tensors])
         self.backend: TransferBackend | None = None
         self.regions: dict[int, list[Any]] = {}  # rank -> its (layer, kind) regions, leader only
-        self._mappings: list[shm.Mapping] = []
+        self._mappings: list[shm.Mapping | cumem.Imported] = []
         endpoints: list[wire.RankEndpoint] = []
         if self.ranks.is_leader:
             listen = cfg.port if cfg.role is MessengerRole.PREFILL else 0
@@ -72,6 +71,8 @@ class Node:
                                    self.ranks.size)
         self.wakeup = Wakeup()
         self.stats_file = StatsFile(cfg.stats_file if self.ranks.is_leader else "")
+        # Every rank updates its own registry; only the leader's is served.
+        self.metrics = MessengerMetrics(cfg.role.value, cfg.host, cfg.metrics_port if self.ranks.is_leader else 0)
         self._stop = threading.Event()
         self._reader: threading.Thread | None = None
         if self.backend is not None:
@@ -81,10 +82,16 @@ class Node:
 
     def _register_peer_rank(self, backings: list[tuple]) -> tuple[list[Any], list[str]]:
         regions, descriptors = [], []
-        for path, offset, inode, length in backings:
-            m = shm.Mapping(path, offset, length, inode)
+        for backing in backings:
+            if isinstance(backing, cumem.Export):  # GPU: the rank's cuMem allocation
+                m = cumem.Imported(backing)
+                addr, length = m.ptr, backing.size
+            else:
+                path, offset, inode, length = backing
+                m = shm.Mapping(path, offset, length, inode)
+                addr = m.addr
             self._mappings.append(m)
-            region, desc = self.backend.register(m.addr, length)
+            region, desc = self.backend.register(addr, length)
             regions.append(region)
             descriptors.append(desc.decode())
         return regions, descriptors
@@ -123,6 +130,7 @@ class Node:
 
     def close(self) -> None:
         self._stop.set()
+        self.metrics.close()
         if self.backend is not None:
             self.backend.close()
         if self._reader is not None:
@@ -130,6 +138,15 @@ class Node:
         for m in self._mappings:
             m.close()
         self.wakeup.close()
+
+
+def _backing(t: Any) -> Any:
+    """How the leader maps this rank's KV buffer `t`: a cuMem export on GPU, else the
+    shared file behind it (path, offset, inode, length)."""
+    if t.is_cuda:
+        return cumem.export(t)
+    n = t.numel() * t.element_size()
+    return dataclasses.astuple(shm.locate(t.data_ptr(), n)) + (n,)
 
 
 class StatsFile:

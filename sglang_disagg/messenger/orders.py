@@ -53,6 +53,7 @@ class Record:
             if err is not None and not self.failed:
                 self.failed = f"KV write failed: {err}"
             self.completed += 1
+            self.times["last_write"] = time.monotonic()
         if layer in (0, last_layer):  # the last of the layer's batches wins
             self.times["layer0_written" if layer == 0 else "last_layer_written"] = time.monotonic()
         wakeup.set()

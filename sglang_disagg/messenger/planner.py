@@ -228,6 +228,12 @@ class ShardPlan:
     def total_writes(self, num_pages: int) -> int:
         return sum(self.expected(num_pages).values())
 
+    def total_bytes(self, num_pages: int) -> int:
+        """Bytes the writes of a request of `num_pages` pages move (every layer, K and V)."""
+        per_page = sum(length for piece in self.pieces for kind in self.geometry.kinds
+                       for _, _, length in self._slices(piece, kind))
+        return num_pages * self.geometry.num_layers * per_page
+
 
 def pages_for(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)

@@ -41,6 +41,7 @@ from .faults import ENV as FAULT_ENV
 from .kvpool import post
 from .layers import LayerCounter
 from .node import Node
+from .metrics import Cause
 from .orders import DecoderLink, Record
 from .planner import ShardPlan, WriteGroup, pages_for
 from .requests import ORDER_ATTR, abort_matches, fail_request, release
@@ -257,17 +258,26 @@ class PrefillMessenger:
         """Post write groups of one order (scheduler thread or streamer thread)."""
         rec = chunk.rec
         link = self.decoders[rec.key]
-        wakeup, last = self.node.wakeup, self.node.view.geometry.num_layers - 1
+        m = self.node.metrics
+        rec.times.setdefault("first_post", time.monotonic())
         try:
             for g in groups:
                 fut = post(self.backend, link.peers[g.dst_rank], g, self.node.regions[g.src_rank],
                            link.remote[g.dst_rank], rec.order.tag)
                 rec.posted_one()
                 self.stats["writes_posted"] += g.writes
+                m.writes.inc(g.writes)
+                m.bytes.inc(g.writes * g.length)
                 layer = None if groups is chunk.ready else g.layer  # streamed groups time the layers
-                fut.add_done_callback(lambda f, layer=layer: rec.on_write_done(f, layer, last, wakeup))
+                fut.add_done_callback(lambda f, layer=layer, t=time.monotonic(): self._written(rec, f, layer, t))
         except Exception as e:  # noqa: BLE001 - the order fails; posted writes still drain
             rec.failed = f"posting KV writes failed: {e}"
+
+    def _written(self, rec: Record, fut: Any, layer: int | None, posted_at: float) -> None:  # backend thread
+        last = self.node.view.geometry.num_layers - 1
+        rec.on_write_done(fut, layer, last, self.node.wakeup)
+        if layer is not None:
+            self.node.metrics.layer.observe(time.monotonic() - posted_at)
 
     @staticmethod
     def _settle(chunk: Chunk, timeout_s: float = 10.0) -> None:
@@ -299,6 +309,13 @@ class PrefillMessenger:
                 self._finish(r, failed > 0)
         if self.ranks.is_leader:
             self.node.stats_file.publish(self.snapshot)
+            m = self.node.metrics
+            if m.gauges_due():
+                m.set_scheduler_gauges(self.sched, self.node.page_size)
+                m.in_flight.labels("orders").set(len(self.records))
+                per_decoder = collections.Counter(r.key for r in self.records.values())
+                for key, link in self.decoders.items():
+                    m.peers.labels(link.hello.decoder).set(per_decoder[key])
 
     def snapshot(self) -> dict:
         return self.node.describe(self.sched) | self.stats | {
@@ -318,8 +335,19 @@ class PrefillMessenger:
         del self.records[rec.rid]
         if rec.req is not None:
             release(self.sched, rec.req, checkpoint=rec.checkpoint)
+        m, t = self.node.metrics, rec.times
         if failed:
             self.stats["orders_failed"] += 1
+            m.fail(Cause.ABORTED if rec.cancelled else Cause.INTAKE if rec.req is None else Cause.TRANSFER)
+        elif rec.cancelled:
+            m.requests.labels("cancelled").inc()
+        else:
+            m.requests.labels("served").inc()
+            m.observe_ttft("queue", t.get("admit"), t.get("forward_start"))
+            m.observe_ttft("compute", t.get("forward_start"), t.get("forward_end"))
+            m.observe_ttft("tail", t.get("forward_end"), max(t.get("last_write", 0.0), t.get("forward_end", 0.0)))
+            if "first_post" in t and "last_write" in t:
+                m.transfer.observe(max(0.0, t["last_write"] - t["first_post"]))
         if not self.ranks.is_leader:
             return
         peer = self._peers.get(rec.key)

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import signal
+import socket
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
+
+from sglang_disagg.launch.client import generate_ids
 
 from .conftest import _ports
 
@@ -59,3 +65,38 @@ def test_missing_model_path_is_a_clear_error(tmp_path):
     r = _launch("--role", "colocated", "--model-path", str(tmp_path / "nope"), timeout=60)
     assert r.returncode == 2
     assert "is not a directory" in r.stderr and "tiny-llama" in r.stderr
+
+
+def test_sigterm_lets_the_request_in_flight_finish_then_stops_everything(tmp_path):
+    port = next(_ports)
+    proc = subprocess.Popen([sys.executable, "-m", "sglang_disagg.launch", "--role", "all", "--port", str(port),
+                             "--log-dir", str(tmp_path), "--drain-timeout", "60"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 300
+        while not any("serving on" in line for line in out):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(out)
+            time.sleep(0.5)
+        got: list = []
+        request = threading.Thread(target=lambda: got.append(
+            generate_ids(f"http://127.0.0.1:{port}", [1] + list(range(100, 160)), 1000)))
+        request.start()
+        time.sleep(2)  # the request is decoding
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        request.join(120)
+        rc = proc.wait(120)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert got and len(got[0]) == 1000, "the request in flight did not finish: " + "".join(out[-20:])
+    assert rc == 0 and took < 90, (rc, took)
+    assert any("draining in-flight requests" in line for line in out)
+    for p in range(port, port + 10):  # nothing left listening
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", p))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.request
 
 import pytest
 
@@ -69,6 +70,12 @@ def test_a_one_token_prompt_never_leaves_the_decoder(stack):
     after = _stats(stack, until=lambda s: s["requests_local"] > before["requests_local"])
     assert after["requests_local"] == before["requests_local"] + 1
     assert after["requests_carried"] == before["requests_carried"]
+
+
+def test_the_openai_model_id_is_the_models_name(stack):
+    with urllib.request.urlopen(stack.url + "/v1/models", timeout=10) as r:
+        models = json.load(r)["data"]
+    assert [m["id"] for m in models] == ["tiny-llama"]
 
 
 def test_the_prefill_server_serves_decoders_only(stack):

@@ -93,6 +93,7 @@ def _check_bytes(plan: ShardPlan, src_tp: int, dst_tp: int) -> None:
     groups = list(itertools.chain.from_iterable(
         plan.groups(src_pages, dst_pages, src_rank=r) for r in range(src_tp)))
     _apply(groups, src, dst, hits)
+    assert plan.total_bytes(len(src_pages)) == sum(g.writes * g.length for g in groups)
 
     for key in want:
         page_bytes = len(want[key]) // pool_pages

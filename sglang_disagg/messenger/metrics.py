@@ -1,0 +1,109 @@
+"""Prometheus metrics of a server's messenger (the leader's), on their own registry and port.
+
+Scraped at ``http://HOST:PORT/metrics`` (the launcher gives prefill servers ``--port`` + 8,
+decode servers ``--port`` + 9). Built with prometheus_client; the scheduler thread and the
+backends' threads update them, the HTTP thread only reads.
+
+A request's time to first token, split where each part is known:
+  decode  ``memory``      taken -> routed (pages allocated, a prefill server chosen)
+          ``prefill``     order sent -> every write landed (the prefill server's queue,
+                          compute and the transfer tail, as the decoder sees them)
+          ``first_step``  handed to SGLang's batch -> first output token
+  prefill ``queue``       order admitted -> its first forward starts
+          ``compute``     first forward starts -> last forward ends
+          ``tail``        last forward ends -> last write completed (0 when streaming
+                          finished the writes before the forward returned)
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from typing import Any
+
+logger = logging.getLogger("sglang_disagg.messenger")
+
+# Writes take tens of microseconds (shm) to seconds (a long prompt over TCP).
+_SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+GAUGE_EVERY_S = 0.2
+
+
+class Cause(enum.Enum):
+    """Why a request failed, as a metric label."""
+
+    NO_PREFILL = "no_prefill_server"     # none reachable or all refused first contact
+    SEND = "send"                        # the order could not be sent
+    TRANSFER = "transfer"                # the writes failed or timed out
+    PREFILL = "prefill_failed"           # the prefill server failed the order
+    ABORTED = "aborted"                  # the client went away
+    INTAKE = "intake"                    # refused at intake (prefill side)
+
+
+class MessengerMetrics:
+    def __init__(self, role: str, host: str, port: int) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("sglang_disagg_requests", "Requests by outcome", ["outcome"], registry=r)
+        self.failures = Counter("sglang_disagg_failures", "Failed requests by cause", ["cause"], registry=r)
+        for c in Cause:
+            self.failures.labels(c.value)  # present (0) before the first failure
+        self.writes = Counter("sglang_disagg_kv_writes", "KV page writes (sent on prefill, received on decode)",
+                              registry=r)
+        self.bytes = Counter("sglang_disagg_kv_bytes", "KV bytes moved (sent on prefill, received on decode)",
+                             registry=r)
+        self.transfer = Histogram("sglang_disagg_request_transfer_seconds",
+                                  "Per request: first write posted (prefill) or order sent (decode) until every "
+                                  "write completed", buckets=_SECONDS, registry=r)
+        self.layer = Histogram("sglang_disagg_layer_write_seconds",
+                               "Per streamed layer of a chunk: writes posted until completed", buckets=_SECONDS,
+                               registry=r)
+        self.ttft = Histogram("sglang_disagg_ttft_phase_seconds", "Time to first token, by phase (see module doc)",
+                              ["phase"], buckets=_SECONDS, registry=r)
+        self.pages = Gauge("sglang_disagg_kv_pages", "KV pages of this server by state", ["state"], registry=r)
+        self.in_flight = Gauge("sglang_disagg_requests_in_flight", "Requests the messenger holds, by phase",
+                               ["phase"], registry=r)
+        self.queue = Gauge("sglang_disagg_queue_depth", "SGLang's scheduler queues", ["queue"], registry=r)
+        self.peers = Gauge("sglang_disagg_peer_outstanding", "Requests in flight per peer server", ["peer"],
+                           registry=r)
+        self.role = role
+        self._gauges_at = 0.0
+        self.server = None
+        if port:
+            self.server, _ = start_http_server(port, addr=host, registry=r)
+            logger.info("messenger %s: Prometheus metrics on http://%s:%d/metrics", role, host, port)
+
+    def observe_ttft(self, phase: str, start: float | None, end: float | None) -> None:
+        if start is not None and end is not None:
+            self.ttft.labels(phase).observe(max(0.0, end - start))
+
+    def fail(self, cause: Cause) -> None:
+        self.failures.labels(cause.value).inc()
+        self.requests.labels("failed").inc()
+
+    def gauges_due(self) -> bool:
+        """Gauges are refreshed by the scheduler thread, at most every GAUGE_EVERY_S."""
+        now = time.monotonic()
+        if now - self._gauges_at < GAUGE_EVERY_S:
+            return False
+        self._gauges_at = now
+        return True
+
+    def set_scheduler_gauges(self, sched: Any, page_size: int) -> None:
+        alloc = sched.token_to_kv_pool_allocator
+        total = alloc.size // page_size if getattr(alloc, "size", None) else 0
+        free = alloc.available_size() // page_size
+        tree = getattr(sched, "tree_cache", None)
+        cached = tree.evictable_size() // page_size if tree is not None else 0
+        self.pages.labels("allocated").set(max(0, total - free))  # including the radix cache's
+        self.pages.labels("cached").set(cached)                     # held by the radix cache only
+        self.pages.labels("free").set(free)
+        self.queue.labels("waiting").set(len(sched.waiting_queue))
+        running = getattr(sched, "running_batch", None)
+        self.queue.labels("running").set(len(running.reqs) if running is not None else 0)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()

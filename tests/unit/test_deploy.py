@@ -1,0 +1,165 @@
+"""One deployment file (launch/deployment.example.toml): the launcher reads it (flags
+override it, a bad file names the field), and the Kubernetes and Slurm renderings run the
+launcher with exactly the configuration it builds for each node: same roles, ports and
+backend settings."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sglang_disagg.launch import Role
+from sglang_disagg.launch.__main__ import parse
+from sglang_disagg.launch.deploy import DeploymentError, load, parse as parse_doc
+from sglang_disagg.launch.render import kubernetes, slurm
+
+EXAMPLE = Path(__file__).parents[2] / "launch" / "deployment.example.toml"
+NODES = ["prefill-0", "decode-0", "decode-1", "decode-2", "router"]
+
+
+def test_the_example_is_one_prefill_group_for_three_decode_groups():
+    dep = load(EXAMPLE)
+    assert [g.role for g in dep.groups] == [Role.PREFILL] + [Role.DECODE] * 3
+    assert all(g.prefill == ("prefill-0",) for g in dep.of(Role.DECODE))
+
+
+@pytest.mark.parametrize("node", NODES)
+def test_the_launcher_runs_what_the_file_says_and_flags_override_it(node):
+    dep = load(EXAMPLE)
+    cfg, _ = parse(["--config", str(EXAMPLE), "--node", node])
+    assert cfg == dep.launch_config(node)
+    if node.startswith("decode"):
+        assert cfg.prefill_messengers == ("10.0.0.1:30003",)
+    over, _ = parse(["--config", str(EXAMPLE), "--node", node, "--provider", "shm", "--port", "31000",
+                     "--chunked-prefill-size", "64"])
+    assert (over.provider, over.port, over.host, over.role) == ("shm", 31000, cfg.host, cfg.role)
+    assert over.extra_args[-2:] == ("--chunked-prefill-size", "64")
+
+
+BAD = [
+    ("[[prefill]]\nname='p'\nhost='h'\n", "[deployment]: missing"),
+    ("[deployment]\nmodel='tiny-llama'\ncolour='red'\n", "deployment: unknown field(s) colour"),
+    ("[deployment]\nmodel='tiny-llama'\nport='x'\n[[prefill]]\nname='p'\nhost='h'\n[[decode]]\nname='d'\nhost='h'\n",
+     "deployment.port: expected int"),
+    ("[deployment]\nmodel='tiny-llama'\nmode='fast'\n", "deployment.mode: 'fast' is not one of"),
+    ("[deployment]\nmodel='tiny-llama'\n[[prefill]]\nname='p'\nhost='h'\n", "[[decode]]: the deployment needs"),
+    ("[deployment]\nmodel='tiny-llama'\n[[prefill]]\nname='p'\nhost='h'\n[[decode]]\nname='d'\nhost='h'\n"
+     "prefill=['q']\n", "decode[0].prefill: 'q' is not a prefill group"),
+    ("[deployment]\nmodel='tiny-llama'\n[[prefill]]\nname='p'\nhost='h'\ntp=3\nnodes=2\n[[decode]]\nname='d'\n"
+     "host='h'\n", "prefill[0]: tp 3 over nodes 2"),
+    ("[deployment]\nmodel='tiny-llama'\n[[prefill]]\nname='p'\nhost='h'\n[[decode]]\nname='p'\nhost='h'\n",
+     "the name is used twice"),
+    ("[deployment]\nmodel='tiny-llama'\nbackend='carrier-pigeon'\n[[prefill]]\nname='p'\nhost='h'\n[[decode]]\n"
+     "name='d'\nhost='h'\n", "node 'p': --backend 'carrier-pigeon'"),
+    ("[deployment\n", "not valid TOML"),
+]
+
+
+@pytest.mark.parametrize("text,reason", BAD, ids=[r for _, r in BAD])
+def test_a_bad_file_names_the_field_and_the_reason(tmp_path, text, reason):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(DeploymentError) as err:
+        load(path)
+    assert reason in str(err.value) and str(path) in str(err.value)
+
+
+def test_an_unknown_node_is_refused_with_the_known_ones():
+    with pytest.raises(DeploymentError, match="no node named 'decode-9'.*decode-2, router"):
+        load(EXAMPLE).launch_config("decode-9")
+
+
+def _k8s_args(container: dict, env: dict[str, str]) -> list[str]:
+    args = container["args"]
+    assert container["command"] + args[:2] == ["python", "-m", "sglang_disagg.launch"]
+    out = []
+    for a in args[2:]:
+        for k, v in env.items():
+            a = a.replace(f"$({k})", v)
+        out.append(a)
+    return out
+
+
+def test_kubernetes_manifests_run_the_launcher_with_each_nodes_configuration():
+    dep = load(EXAMPLE)
+    docs = list(yaml.safe_load_all(yaml.safe_dump_all(kubernetes(dep, "serving"), sort_keys=False)))
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    workloads = {d["metadata"]["name"]: d for d in docs if d["kind"] in ("LeaderWorkerSet", "Deployment")}
+    assert sorted(workloads) == sorted(NODES) and sorted(services) == sorted(NODES)
+    assert all(d["metadata"]["namespace"] == "serving" for d in docs)
+    for name, w in workloads.items():
+        if w["kind"] == "LeaderWorkerSet":
+            template = w["spec"]["leaderWorkerTemplate"]
+            assert template["size"] == dep.group(name).nodes
+            container = template["leaderTemplate"]["spec"]["containers"][0]
+        else:
+            container = w["spec"]["template"]["spec"]["containers"][0]
+        cfg, _ = parse(_k8s_args(container, {"POD_IP": "10.9.9.9"}))
+        want = load(EXAMPLE).launch_config(name)
+        assert (cfg.role, cfg.mode, cfg.transfer_backend, cfg.transfer_provider, cfg.port, cfg.host) == (
+            want.role, want.mode, want.transfer_backend, want.transfer_provider, want.port, "10.9.9.9")
+        ports = cfg.ports.all(cfg.role, cfg.mode)
+        assert sorted(p["containerPort"] for p in container["ports"]) == sorted(ports.values())
+        assert sorted(p["port"] for p in services[name]["spec"]["ports"]) == sorted(ports.values())
+        # Peers are named by their Service, on a port that Service exposes.
+        for address in cfg.prefill_messengers + tuple(u.split("//")[1] for u in cfg.decode_urls):
+            host, port = address.split(":")
+            assert int(port) in [p["port"] for p in services[host]["spec"]["ports"]]
+
+
+def test_a_multi_node_group_is_a_leader_worker_set_with_sglangs_multi_node_flags(tmp_path):
+    text = EXAMPLE.read_text().replace("tp = 2\nnodes = 1", "tp = 2\nnodes = 2")
+    dep = parse_doc(__import__("tomllib").loads(text))
+    lws = next(d for d in kubernetes(dep) if d["metadata"]["name"] == "prefill-0")
+    template = lws["spec"]["leaderWorkerTemplate"]
+    leader = template["leaderTemplate"]["spec"]["containers"][0]["args"]
+    worker = template["workerTemplate"]["spec"]["containers"][0]["args"]
+    assert template["size"] == 2
+    assert leader[leader.index("--node-rank") + 1] == "0"
+    assert worker[worker.index("--node-rank") + 1] == "$(LWS_WORKER_INDEX)"
+    assert worker[worker.index("--dist-init-addr") + 1] == "$(LWS_LEADER_ADDRESS):30004"
+
+
+def test_the_slurm_script_starts_each_node_on_its_machine_with_its_configuration(tmp_path):
+    dep = load(EXAMPLE)
+    script = tmp_path / "stack.sbatch"
+    script.write_text(slurm(dep))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    # Stand-ins for Slurm's tools (no cluster here): scontrol lists 5 machines, srun records its argv.
+    (bin_dir / "scontrol").write_text("#!/bin/sh\nprintf 'n0\\nn1\\nn2\\nn3\\nn4\\n'\n")
+    (bin_dir / "srun").write_text('#!/bin/sh\nt=$(mktemp -p "$SRUN_LOG" .partXXXX)\nprintf "%s\\0" "$@" > "$t"\n'
+                                  'mv "$t" "$SRUN_LOG/call${t##*.part}"\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    log = tmp_path / "srun"
+    log.mkdir()
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_NODELIST="n[0-4]", SRUN_LOG=str(log))
+    # The script ends (exit 1) as soon as one of its processes ends; the others may still be writing.
+    subprocess.run(["bash", str(script)], env=env, timeout=30)
+    deadline = time.monotonic() + 10
+    while True:
+        calls = [f.read_text().rstrip("\0").split("\0") for f in log.glob("call*")]
+        if len(calls) >= len(NODES) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert len(calls) == len(NODES)
+    machines = {"prefill-0": "n0", "decode-0": "n1", "decode-1": "n2", "decode-2": "n3", "router": "n4"}
+    by_host = {}
+    for argv in calls:
+        host = argv[argv.index("-w") + 1]
+        launch = argv.index("sglang_disagg.launch")
+        by_host[host], _ = parse(argv[launch + 1:])
+    for name, host in machines.items():
+        cfg, want = by_host[host], dep.launch_config(name)
+        assert (cfg.role, cfg.host, cfg.transfer_backend, cfg.transfer_provider, cfg.ports) == (
+            want.role, host, want.transfer_backend, want.transfer_provider, want.ports)
+    assert by_host["n1"].prefill_messengers == ("n0:30003",)
+    assert by_host["n4"].decode_urls == tuple(f"http://n{i}:30002" for i in (1, 2, 3))
+    assert shlex.split(script.read_text().splitlines()[0]) == ["#!/usr/bin/env", "bash"]
