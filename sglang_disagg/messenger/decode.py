@@ -40,7 +40,7 @@ from .faults import Fault
 from .inputs import Route
 from .kvpool import page_ids
 from .links import Links
-from .metrics import Cause
+from .metrics import Cause, scheduler_state
 from .node import Node
 from .planner import ShardPlan, pages_for
 from .requests import HANDOFF_ATTR, abort_matches, fail_request, release
@@ -97,6 +97,7 @@ class DecodeMessenger:
         self._inbox: collections.deque[tuple[Any, wire.Message]] = collections.deque()
         self.recent: collections.deque[dict] = collections.deque(maxlen=64)  # handed-off requests' timelines
         self._first_step: dict[str, float] = {}  # rid -> hand-off time, until its first output token
+        self.node.metrics.watch(self._gauges)
         if self.ranks.is_leader:
             hello = wire.Hello(decoder=self.node.name, backend=self.backend.name, provider=self.backend.provider,
                                kv=self.node.spec, ranks=self.node.endpoints)
@@ -284,17 +285,13 @@ class DecodeMessenger:
                 self._release(e, quarantine=release == _QUARANTINE)
         if self.ranks.is_leader:
             self.node.stats_file.publish(self.snapshot)
-            if self.node.metrics.gauges_due():
-                self._set_gauges()
 
-    def _set_gauges(self) -> None:
-        m = self.node.metrics
-        m.set_scheduler_gauges(self.sched, self.node.page_size)
-        phases = collections.Counter(e.phase.name.lower() for e in self.entries.values())
-        for p in Phase:
-            m.in_flight.labels(p.name.lower()).set(phases[p.name.lower()])
-        for address, link in (self.links.links.items() if self.links else ()):
-            m.peers.labels(address).set(link.outstanding)
+    def _gauges(self) -> dict[str, dict[str, float]]:  # metrics HTTP thread, at each scrape
+        phases = collections.Counter(e.phase.name.lower() for e in list(self.entries.values()))
+        return scheduler_state(self.sched, self.node.page_size) | {
+            "sglang_disagg_requests_in_flight": {p.name.lower(): phases[p.name.lower()] for p in Phase},
+            "sglang_disagg_peer_outstanding": {a: link.outstanding
+                                               for a, link in list((self.links.links if self.links else {}).items())}}
 
     def snapshot(self) -> dict:
         phases = {p.name.lower(): 0 for p in Phase}
@@ -414,14 +411,14 @@ class DecodeMessenger:
         """Nothing to send from a decoder."""
 
     def after_forward(self, batch: Any) -> None:
-        """Nothing to send from a decoder: time the first step of handed-off requests."""
+        """Nothing to send from a decoder. A handed-off request's first extend is the step
+        that samples its first token (its results are processed right after): time it."""
         if not self._first_step:
             return
         now = time.monotonic()
         for req in batch.reqs:
-            start = self._first_step.get(req.rid)
-            if start is not None and req.output_ids:
-                del self._first_step[req.rid]
+            start = self._first_step.pop(req.rid, None)
+            if start is not None:
                 self.node.metrics.observe_ttft("first_step", start, now)
 
     def hold_release(self, req: Any, checkpoint: bool) -> bool:

@@ -8,7 +8,8 @@ A request's time to first token, split where each part is known:
   decode  ``memory``      taken -> routed (pages allocated, a prefill server chosen)
           ``prefill``     order sent -> every write landed (the prefill server's queue,
                           compute and the transfer tail, as the decoder sees them)
-          ``first_step``  handed to SGLang's batch -> first output token
+          ``first_step``  handed to SGLang's batch -> end of the forward that samples
+                          its first output token
   prefill ``queue``       order admitted -> its first forward starts
           ``compute``     first forward starts -> last forward ends
           ``tail``        last forward ends -> last write completed (0 when streaming
@@ -19,14 +20,20 @@ from __future__ import annotations
 
 import enum
 import logging
-import time
+from collections.abc import Callable
 from typing import Any
 
 logger = logging.getLogger("sglang_disagg.messenger")
 
 # Writes take tens of microseconds (shm) to seconds (a long prompt over TCP).
 _SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-GAUGE_EVERY_S = 0.2
+GAUGES = {  # name -> (help, label)
+    "sglang_disagg_kv_pages": ("KV pages of this server: allocated (including the radix cache's), cached "
+                               "(held by the radix cache only), free", "state"),
+    "sglang_disagg_requests_in_flight": ("Requests the messenger holds, by phase", "phase"),
+    "sglang_disagg_queue_depth": ("SGLang's scheduler queues", "queue"),
+    "sglang_disagg_peer_outstanding": ("Requests in flight per peer server", "peer"),
+}
 
 
 class Cause(enum.Enum):
@@ -42,7 +49,7 @@ class Cause(enum.Enum):
 
 class MessengerMetrics:
     def __init__(self, role: str, host: str, port: int) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+        from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
         self.registry = r = CollectorRegistry()
         self.requests = Counter("sglang_disagg_requests", "Requests by outcome", ["outcome"], registry=r)
@@ -61,14 +68,9 @@ class MessengerMetrics:
                                registry=r)
         self.ttft = Histogram("sglang_disagg_ttft_phase_seconds", "Time to first token, by phase (see module doc)",
                               ["phase"], buckets=_SECONDS, registry=r)
-        self.pages = Gauge("sglang_disagg_kv_pages", "KV pages of this server by state", ["state"], registry=r)
-        self.in_flight = Gauge("sglang_disagg_requests_in_flight", "Requests the messenger holds, by phase",
-                               ["phase"], registry=r)
-        self.queue = Gauge("sglang_disagg_queue_depth", "SGLang's scheduler queues", ["queue"], registry=r)
-        self.peers = Gauge("sglang_disagg_peer_outstanding", "Requests in flight per peer server", ["peer"],
-                           registry=r)
         self.role = role
-        self._gauges_at = 0.0
+        self._state: Callable[[], dict[str, dict[str, float]]] | None = None
+        r.register(_StateCollector(self))
         self.server = None
         if port:
             self.server, _ = start_http_server(port, addr=host, registry=r)
@@ -82,28 +84,47 @@ class MessengerMetrics:
         self.failures.labels(cause.value).inc()
         self.requests.labels("failed").inc()
 
-    def gauges_due(self) -> bool:
-        """Gauges are refreshed by the scheduler thread, at most every GAUGE_EVERY_S."""
-        now = time.monotonic()
-        if now - self._gauges_at < GAUGE_EVERY_S:
-            return False
-        self._gauges_at = now
-        return True
-
-    def set_scheduler_gauges(self, sched: Any, page_size: int) -> None:
-        alloc = sched.token_to_kv_pool_allocator
-        total = alloc.size // page_size if getattr(alloc, "size", None) else 0
-        free = alloc.available_size() // page_size
-        tree = getattr(sched, "tree_cache", None)
-        cached = tree.evictable_size() // page_size if tree is not None else 0
-        self.pages.labels("allocated").set(max(0, total - free))  # including the radix cache's
-        self.pages.labels("cached").set(cached)                     # held by the radix cache only
-        self.pages.labels("free").set(free)
-        self.queue.labels("waiting").set(len(sched.waiting_queue))
-        running = getattr(sched, "running_batch", None)
-        self.queue.labels("running").set(len(running.reqs) if running is not None else 0)
+    def watch(self, state: Callable[[], dict[str, dict[str, float]]]) -> None:
+        """`state()` -> {gauge: {label value: value}}, read at each scrape (from the HTTP
+        thread: it must only read, and tolerate the scheduler changing things meanwhile)."""
+        self._state = state
 
     def close(self) -> None:
         if self.server is not None:
             self.server.shutdown()
             self.server.server_close()
+
+
+def scheduler_state(sched: Any, page_size: int) -> dict[str, dict[str, float]]:
+    """KV pages and queue depths of an SGLang scheduler (plain reads of ints and lengths)."""
+    alloc = sched.token_to_kv_pool_allocator
+    total = alloc.size // page_size
+    free = alloc.available_size() // page_size
+    tree = getattr(sched, "tree_cache", None)
+    cached = tree.evictable_size() // page_size if tree is not None else 0
+    running = getattr(sched, "running_batch", None)
+    return {"sglang_disagg_kv_pages": {"allocated": max(0, total - free), "cached": cached, "free": free},
+            "sglang_disagg_queue_depth": {"waiting": len(sched.waiting_queue),
+                                          "running": len(running.reqs) if running is not None else 0}}
+
+
+class _StateCollector:
+    def __init__(self, metrics: MessengerMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        state: dict[str, dict[str, float]] = {}
+        if self.metrics._state is not None:
+            for _ in range(3):  # the scheduler may change a dict while we read it: read again
+                try:
+                    state = self.metrics._state()
+                    break
+                except RuntimeError:
+                    continue
+        for name, (doc, label) in GAUGES.items():
+            family = GaugeMetricFamily(name, doc, labels=[label])
+            for key, value in state.get(name, {}).items():
+                family.add_metric([key], value)
+            yield family

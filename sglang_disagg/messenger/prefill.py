@@ -41,7 +41,7 @@ from .faults import ENV as FAULT_ENV
 from .kvpool import post
 from .layers import LayerCounter
 from .node import Node
-from .metrics import Cause
+from .metrics import Cause, scheduler_state
 from .orders import DecoderLink, Record
 from .planner import ShardPlan, WriteGroup, pages_for
 from .requests import ORDER_ATTR, abort_matches, fail_request, release
@@ -63,6 +63,7 @@ class PrefillMessenger:
         self._peers: dict[str, Any] = {}             # leader: decoder key -> control peer
         self.stats = {"orders": 0, "orders_failed": 0, "writes_posted": 0, "pages_sent": 0}
         self.recent: collections.deque[dict] = collections.deque(maxlen=64)  # finished orders' timelines
+        self.node.metrics.watch(self._gauges)
         self.streamer: Streamer | None = None
         self._ticket: Ticket | None = None
         if cfg.stream and self.ranks.is_leader:
@@ -309,13 +310,14 @@ class PrefillMessenger:
                 self._finish(r, failed > 0)
         if self.ranks.is_leader:
             self.node.stats_file.publish(self.snapshot)
-            m = self.node.metrics
-            if m.gauges_due():
-                m.set_scheduler_gauges(self.sched, self.node.page_size)
-                m.in_flight.labels("orders").set(len(self.records))
-                per_decoder = collections.Counter(r.key for r in self.records.values())
-                for key, link in self.decoders.items():
-                    m.peers.labels(link.hello.decoder).set(per_decoder[key])
+
+    def _gauges(self) -> dict[str, dict[str, float]]:  # metrics HTTP thread, at each scrape
+        records = list(self.records.values())
+        per_decoder = collections.Counter(r.key for r in records)
+        return scheduler_state(self.sched, self.node.page_size) | {
+            "sglang_disagg_requests_in_flight": {"orders": len(records)},
+            "sglang_disagg_peer_outstanding": {link.hello.decoder: per_decoder[key]
+                                               for key, link in list(self.decoders.items())}}
 
     def snapshot(self) -> dict:
         return self.node.describe(self.sched) | self.stats | {
