@@ -43,7 +43,7 @@ from .links import Links
 from .metrics import Cause, scheduler_state
 from .node import Node
 from .planner import ShardPlan, pages_for
-from .requests import HANDOFF_ATTR, abort_matches, fail_request, release
+from .requests import HANDOFF_ATTR, LOCK_ATTR, abort_matches, fail_request, release
 
 logger = logging.getLogger("sglang_disagg.messenger")
 
@@ -329,6 +329,9 @@ class DecodeMessenger:
             self.fault.apply(self.node.view, e.pages[e.start_page:])  # never the tree's shared pages
         req.prefix_len = e.n_tokens
         setattr(req, HANDOFF_ATTR, e.n_tokens)
+        # Our lock on the reused prefix must hold until SGLang admits the request, whose
+        # admission takes a lock of its own and overwrites req.lock: ours is released then.
+        setattr(req, LOCK_ATTR, req.lock)
         sched.waiting_queue.append(req)
         req.time_stats.set_wait_queue_entry_time()
         req.arrival_processed_tokens = sched.processed_tokens_counter
@@ -401,7 +404,8 @@ class DecodeMessenger:
             if abort_matches(recv_req, req.rid):
                 self.sched.waiting_queue.remove(req)
                 fail_request(self.sched, req, "aborted")
-                release(self.sched, req)
+                release(self.sched, req)  # unlocks req.lock, still ours
+                setattr(req, LOCK_ATTR, None)
 
     @staticmethod
     def prefix_tree(req: Any, tree: Any) -> Any:
@@ -413,6 +417,12 @@ class DecodeMessenger:
     def after_forward(self, batch: Any) -> None:
         """Nothing to send from a decoder. A handed-off request's first extend is the step
         that samples its first token (its results are processed right after): time it."""
+        tree = self.sched.tree_cache
+        for req in batch.reqs:
+            mine = getattr(req, LOCK_ATTR, None)
+            if mine is not None and req.lock is not mine:  # SGLang holds its own lock now
+                tree.unlock(mine)
+                setattr(req, LOCK_ATTR, None)
         if not self._first_step:
             return
         now = time.monotonic()

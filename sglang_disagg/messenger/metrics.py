@@ -29,7 +29,8 @@ logger = logging.getLogger("sglang_disagg.messenger")
 _SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 GAUGES = {  # name -> (help, label)
     "sglang_disagg_kv_pages": ("KV pages of this server: allocated (including the radix cache's), cached "
-                               "(held by the radix cache only), free", "state"),
+                               "(held by the radix cache only), locked (radix cache pages in use), free",
+                               "state"),
     "sglang_disagg_requests_in_flight": ("Requests the messenger holds, by phase", "phase"),
     "sglang_disagg_queue_depth": ("SGLang's scheduler queues", "queue"),
     "sglang_disagg_peer_outstanding": ("Requests in flight per peer server", "peer"),
@@ -102,8 +103,10 @@ def scheduler_state(sched: Any, page_size: int) -> dict[str, dict[str, float]]:
     free = alloc.available_size() // page_size
     tree = getattr(sched, "tree_cache", None)
     cached = tree.evictable_size() // page_size if tree is not None else 0
+    locked = tree.protected_size() // page_size if tree is not None and hasattr(tree, "protected_size") else 0
     running = getattr(sched, "running_batch", None)
-    return {"sglang_disagg_kv_pages": {"allocated": max(0, total - free), "cached": cached, "free": free},
+    return {"sglang_disagg_kv_pages": {"allocated": max(0, total - free), "cached": cached, "locked": locked,
+                                       "free": free},
             "sglang_disagg_queue_depth": {"waiting": len(sched.waiting_queue),
                                           "running": len(running.reqs) if running is not None else 0}}
 

@@ -7,6 +7,7 @@ from http import HTTPStatus
 from typing import Any
 
 # Attributes the messenger sets on SGLang Req objects.
+LOCK_ATTR = "_sglang_disagg_prefix_lock"  # decoder: our radix lock on a reused prefix, until admission
 HANDOFF_ATTR = "sglang_disagg_prefix"   # decode: prompt tokens whose KV arrived from prefill
 ORDER_ATTR = "sglang_disagg_order"      # prefill: the order this request serves
 

@@ -94,5 +94,14 @@ def test_a_request_moves_both_servers_metrics(stack):
         assert len(failed) >= 5 and all(samples[k] == before.get(k, 0.0) for k in failed)
     # Nothing held once it is over: no request in flight, pages back to the cache or the free list.
     assert sum(v for k, v in dec.items() if k[0] == "sglang_disagg_requests_in_flight") == 0
-    assert value(dec, "sglang_disagg_kv_pages", state="allocated") == value(dec, "sglang_disagg_kv_pages",
-                                                                             state="cached")
+    pages = {k[1][1]: v for k, v in dec.items() if k[0] == "sglang_disagg_kv_pages"}
+    assert pages["locked"] == 0 and pages["allocated"] == pages["cached"], pages
+
+
+def test_a_prefix_the_decoder_reuses_is_unlocked_once_the_request_is_done(stack):
+    prompt = [1] + [3500 + (i * 11) % 400 for i in range(149)]
+    for _ in range(2):  # the second time, 9 of its pages come from the decoder's own radix tree
+        assert len(generate_ids(stack.url, prompt, 8)) == 8
+    time.sleep(0.5)
+    pages = {k[1][1]: v for k, v in scrape(stack, "decode").items() if k[0] == "sglang_disagg_kv_pages"}
+    assert pages["locked"] == 0 and pages["allocated"] == pages["cached"], pages

@@ -80,6 +80,24 @@ def test_each_server_gets_threads_for_its_cores(monkeypatch):
     assert dict(server_spec(colocated, Role.COLOCATED, "/m", builtin=True).env)["OMP_NUM_THREADS"] == "8"
 
 
+def test_pin_cores_pins_each_server_of_role_all_to_its_half(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    cfg, _ = parse(["--role", "all", "--pin-cores"])
+    assert server_spec(cfg, Role.PREFILL, "/m", builtin=True).cpus == (0, 1, 2, 3)
+    assert server_spec(cfg, Role.DECODE, "/m", builtin=True).cpus == (4, 5, 6, 7)
+    unpinned, _ = parse(["--role", "all"])
+    assert server_spec(unpinned, Role.PREFILL, "/m", builtin=True).cpus == ()
+
+
+def test_servers_answer_health_probes_without_the_scheduler_and_by_model_name():
+    cfg, _ = parse(["--role", "all", "--mode", "upstream"])
+    for role in (Role.PREFILL, Role.DECODE):
+        spec = server_spec(cfg, role, "/cache/tiny-llama-123", builtin=True)
+        assert dict(spec.env)["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "0"
+        argv = list(spec.argv)
+        assert argv[argv.index("--served-model-name") + 1] == "tiny-llama"
+
+
 def test_tp2_binds_one_core_set_per_rank():
     cfg = LaunchConfig(role=Role.ALL, model="tiny-llama", prefill_tp=2)
     env = dict(server_spec(cfg, Role.PREFILL, "/m", builtin=True).env)
