@@ -16,10 +16,9 @@ from __future__ import annotations
 import base64
 import contextlib
 import os
-import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from .base import TransferBackend
@@ -43,18 +42,26 @@ _AGENT_LOCK = threading.Lock()
 
 
 def _make_agent(nixl_agent: Any, nixl_agent_config: Any, name: str, delay_us: int) -> Any:
-    """nixl_agent whose progress thread sleeps `delay_us` between polls.
+    with progress_delay(delay_us):
+        return nixl_agent(name, nixl_agent_config(enable_prog_thread=True, backends=[]))
+
+
+@contextlib.contextmanager
+def progress_delay(delay_us: int) -> Iterator[None]:
+    """nixl_agents built inside this block have a progress thread that sleeps `delay_us`
+    between polls (SGLang's NIXL connector on CPU uses it too, through hooks.py).
 
     The Python wrapper hard-codes pthrDelay=0: its progress thread then spins a whole core
     even when idle (measured ~40% of a 2-vCPU VM per agent; 2% with 100 us). The wrapper
     offers no knob, so while constructing we hand it a config subclass that turns that 0
-    into `delay_us`. If this NIXL build is laid out differently we fall back to the default.
+    into `delay_us`. If this NIXL build is laid out differently we keep the default.
     """
-    conf = nixl_agent_config(enable_prog_thread=True, backends=[])
-    api = sys.modules.get(type(conf).__module__)
+    import nixl._api as api
+
     real = getattr(api, "nixlBind", None)
     if delay_us <= 0 or real is None or not hasattr(real, "nixlAgentConfig"):
-        return nixl_agent(name, conf)
+        yield
+        return
 
     class _Config(real.nixlAgentConfig):
         def __setattr__(self, key: str, value: Any) -> None:
@@ -67,7 +74,7 @@ def _make_agent(nixl_agent: Any, nixl_agent_config: Any, name: str, delay_us: in
     with _AGENT_LOCK:
         api.nixlBind = _Bind()
         try:
-            return nixl_agent(name, conf)
+            yield
         finally:
             api.nixlBind = real
 
