@@ -123,6 +123,17 @@ def stacks(tmp_path_factory):
     pool.close()
 
 
+DEFAULT = StackSpec(backend="libfabric", provider="shm")  # what `--role all` starts
+
+
+@pytest.fixture(scope="module")
+def stack(stacks, references):
+    """The launcher's default stack, shared by the modules that test the messenger's own
+    promises (the pool keeps it running from one module to the next)."""
+    references("tiny-llama")
+    return stacks.get(DEFAULT)
+
+
 TURNS = 5
 
 

@@ -19,15 +19,6 @@ from .conftest import StackSpec, start_stack, structured, structured_refs
 
 pytestmark = pytest.mark.e2e
 
-DEFAULT = StackSpec(backend="libfabric", provider="shm")
-
-
-@pytest.fixture(scope="module")
-def stack(stacks, references):
-    references("tiny-llama")
-    return stacks.get(DEFAULT)
-
-
 def _stats(stack, role="decode", until=lambda s: True):
     """The messenger's counters once settled (published every 0.2 s at most while they
     change, so two equal reads 0.5 s apart are current) and satisfying `until`."""

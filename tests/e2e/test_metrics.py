@@ -15,18 +15,9 @@ from sglang_disagg.launch.client import generate_ids
 from sglang_disagg.messenger.planner import pages_for
 from sglang_disagg.models import BUILTIN_MODELS
 
-from .conftest import StackSpec
-
 pytestmark = pytest.mark.e2e
 
-DEFAULT = StackSpec(backend="libfabric", provider="shm")
 LAYERS, PAGE = 4, 16  # tiny-llama
-
-
-@pytest.fixture(scope="module")
-def stack(stacks, references):
-    references("tiny-llama")
-    return stacks.get(DEFAULT)
 
 
 def scrape(stack, role: str) -> dict[tuple, float]:

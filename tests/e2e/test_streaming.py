@@ -23,15 +23,6 @@ from .conftest import OUTPUT_TOKENS, StackSpec, conversation, conversation_refs,
 
 pytestmark = pytest.mark.e2e
 
-DEFAULT = StackSpec(backend="libfabric", provider="shm")
-
-
-@pytest.fixture(scope="module")
-def stack(stacks, references):
-    references("tiny-llama")
-    return stacks.get(DEFAULT)
-
-
 def _counters(stack, role, until, timeout=10.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
