@@ -14,8 +14,10 @@ Everything goes through the driver library (libcuda) with ctypes; every CUresult
 than CUDA_SUCCESS raises CuMemError naming the call and the driver's error name. On a
 machine without a GPU driver, CuMemUnavailable says so at the first call.
 
-Status: written against the CUDA 12 driver API, not yet run on a GPU in this project
-(tests/gpu/test_cumem.py runs it when a GPU machine is available).
+Status: run on an NVIDIA H200 (driver 580.159.04, CUDA 13 torch 2.11, kernel 6.18) on
+2026-11-30: tests/unit/test_cumem.py and tests/gpu/test_cumem_ipc.py (two rank processes
+exported, imported by a third, read, written, copied device to device) passed. The
+SGLang server path on GPU (KV pool through hooks.kv_zeros) has not run on a GPU yet.
 """
 
 from __future__ import annotations
