@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from transfer_workloads import Workload, batches  # noqa: E402
 
 from sglang_disagg.backends import BackendConfig, create_backend  # noqa: E402
-from sglang_disagg.backends.jsonl_worker import serve  # noqa: E402
+from jsonl_worker import serve  # noqa: E402
 
 
 class Bench:

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 
 from .errors import (BackendUnavailable, DeadlineExceeded, DescriptorError, PeerLostError, TransferError,
                      UnknownBackendError)
-from .regions import BackendConfig, MemoryRegion, PageWrite, PeerState, RegionDescriptor, RemoteRegion
+from .config import BackendConfig
+from .regions import MemoryRegion, PageWrite, PeerState, RegionDescriptor, RemoteRegion
 
 if TYPE_CHECKING:
     from .base import TransferBackend

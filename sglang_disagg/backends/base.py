@@ -24,35 +24,39 @@ Guarantees:
 - close() fails whatever is pending, deregisters memory and joins every thread.
 - No integer return code escapes: errors are the exceptions in errors.py.
 
-A backend implements the `_native_*` hooks; the shared code here and in peers.py owns the control channel,
-peers, validation, batch bookkeeping and the expected-count tracker.
+- A batch not complete `batch_timeout_s` after posting fails with DeadlineExceeded and
+  leaves the batch table (`_native_expire` lets the backend forget its native side).
+
+A backend implements the `_native_*` hooks; the shared code here owns validation, batch
+bookkeeping and deadlines and the expected-count tracker; peers.py owns the control
+channel and the peers (through the callbacks given to its PeerTable).
 """
 
 from __future__ import annotations
 
 import itertools
-import queue
 import threading
+import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any, ClassVar
 
 from . import control
+from .config import BackendConfig
 from .errors import DeadlineExceeded, DescriptorError, PeerLostError, TransferError
 from .expect import ExpectTracker
 from .future import TransferFuture
-from .peer import Peer
-from .peers import PeerManager
-from .regions import (DESCRIPTOR_VERSION, BackendConfig, MemoryRegion, NativeRegistration, PageWrite,
-                      PeerState, RegionDescriptor, RemoteRegion)
+from .peers import Peer, PeerTable
+from .regions import (DESCRIPTOR_VERSION, MemoryRegion, NativeRegistration, PageWrite, PeerState, RegionDescriptor,
+                      RemoteRegion)
 from .validate import check_uniform, check_write
 
 __all__ = ["BackendConfig", "MemoryRegion", "PageWrite", "Peer", "PeerState", "RegionDescriptor",
            "RemoteRegion", "TransferBackend", "TransferFuture"]
 
 
-class TransferBackend(PeerManager, ABC):
+class TransferBackend(ABC):
     name: ClassVar[str] = "abstract"
     max_write_bytes: int = 1 << 40
 
@@ -66,16 +70,13 @@ class TransferBackend(PeerManager, ABC):
         self.instance = uuid.uuid4().hex
         self.provider = self._provider_label()
         self._lock = threading.Lock()
-        self._peers: dict[str, Peer] = {}
-        self._conn_peer: dict[control.ControlConn, Peer] = {}
-        self._handshakes: dict[control.ControlConn, queue.Queue] = {}
         self._regions: dict[int, tuple[MemoryRegion, NativeRegistration]] = {}
         self._region_ids = itertools.count(1)
-        self._batches: dict[int, tuple[str, TransferFuture]] = {}
+        self._batches: dict[int, tuple[Peer, TransferFuture]] = {}
         self._batch_ids = itertools.count(1)
         self._tracker = ExpectTracker(f"{self.name}-expect")
-        self._inbox: queue.Queue[tuple[Peer, bytes]] = queue.Queue()
-        self._accepted: queue.Queue[Peer] = queue.Queue()
+        self._table = PeerTable(self, self.config, self._lock, hello=self._hello, check=self._check_hello,
+                                attach=self._native_connect, detach=self._detach_peer, credit=self._tracker.add)
         self._closed = False
         try:
             self._native_open()
@@ -83,7 +84,8 @@ class TransferBackend(PeerManager, ABC):
             self._tracker.close("open failed")
             raise
         try:
-            self._server = control.ControlServer(self.config.host, self._on_accept, self.config.port)
+            self._server = control.ControlServer(self.config.host, self._table.on_accept, self.config.port,
+                                                 self.config.max_connections)
         except BaseException:
             self._tracker.close("open failed")
             self._native_close()
@@ -112,6 +114,51 @@ class TransferBackend(PeerManager, ABC):
 
     def _native_stats(self) -> dict[str, int]:
         return {}
+
+    def _native_expire(self, batch_id: int) -> None:
+        """Forget the native side of a batch that passed its deadline (its completion may still come)."""
+
+    # ----- peers -----------------------------------------------------------------------
+    def connect(self, address: str, timeout_s: float | None = None) -> Peer:
+        """Authenticate to the backend listening at `address` and exchange HELLOs."""
+        self._check_open()
+        return self._table.connect(address, timeout_s if timeout_s is not None else self.config.connect_timeout_s)
+
+    def wait_peer(self, timeout_s: float) -> Peer:
+        """Next peer that connected to us."""
+        return self._table.wait_peer(timeout_s)
+
+    def peers(self) -> list[Peer]:
+        return self._table.all()
+
+    def _lose_peer(self, peer: Peer, reason: str) -> None:
+        """For backends whose native layer noticed the peer is gone (or misbehaves)."""
+        self._table.drop(peer, PeerState.LOST, reason)
+
+    def _hello(self) -> dict[str, Any]:
+        return {"v": DESCRIPTOR_VERSION, "backend": self.name, "provider": self.provider,
+                "instance": self.instance, "address": self.address, "endpoint": self._endpoint_info()}
+
+    def _check_hello(self, hello: dict[str, Any]) -> None:
+        if (hello["v"], hello["backend"], hello["provider"]) != (DESCRIPTOR_VERSION, self.name, self.provider):
+            raise TransferError(f"peer runs {hello['backend']}/{hello['provider']} v{hello['v']}, "
+                                f"we run {self.name}/{self.provider} v{DESCRIPTOR_VERSION}")
+
+    def _detach_peer(self, peer: Peer, state: PeerState, reason: str) -> None:
+        """The peer is gone (its state already says so): fail its batches and expectations."""
+        with self._lock:
+            # By connection, not instance id: two connections to one peer instance (each
+            # side dialed the other) fail independently.
+            failed = [(bid, fut) for bid, (p, fut) in self._batches.items() if p is peer]
+            for bid, _ in failed:
+                del self._batches[bid]
+        try:
+            self._native_disconnect(peer)
+        finally:
+            err = PeerLostError(f"peer {peer.address} ({peer.id[:8]}) {state.value}: {reason}")
+            for _, fut in failed:
+                fut.set_exception(err)
+            self._tracker.peer_lost(peer.id, reason)
 
     # ----- memory ----------------------------------------------------------------------
     @property
@@ -202,14 +249,29 @@ class TransferBackend(PeerManager, ABC):
         with self._lock:  # same lock as _drop_peer: either we see the loss or it sees us
             if peer.state is not PeerState.CONNECTED:
                 raise PeerLostError(f"peer {peer.address} is {peer.state.value}")
-            self._batches[batch_id] = (peer.id, fut)
+            self._batches[batch_id] = (peer, fut)
         try:
             post(batch_id)
         except BaseException:
             with self._lock:
                 self._batches.pop(batch_id, None)
             raise
+        if not fut.done():  # its own deadline, on the tracker's timer thread
+            key = ("batch", batch_id)
+            self._tracker.watch(key, time.monotonic() + self.config.batch_timeout_s, lambda: self._expire(batch_id))
+            fut.add_done_callback(lambda _f: self._tracker.unwatch(key))
         return fut
+
+    def _expire(self, batch_id: int) -> None:
+        with self._lock:
+            entry = self._batches.pop(batch_id, None)
+        if entry is None:
+            return
+        try:
+            self._native_expire(batch_id)
+        finally:
+            entry[1].set_exception(DeadlineExceeded(f"{entry[1].label or 'batch'}: not complete "
+                                                    f"{self.config.batch_timeout_s} s after posting"))
 
     def _complete_batch(self, batch_id: int, error: str | None = None, lost: bool = False) -> None:
         """Called by backends' progress code; unknown ids (already failed) are ignored."""
@@ -248,14 +310,12 @@ class TransferBackend(PeerManager, ABC):
 
     # ----- messages, stats, close ------------------------------------------------------
     def recv(self, timeout_s: float) -> tuple[Peer, bytes]:
-        try:
-            return self._inbox.get(timeout=timeout_s)
-        except queue.Empty:
-            raise DeadlineExceeded(f"no control message within {timeout_s} s") from None
+        return self._table.recv(timeout_s)
 
     def stats(self) -> dict[str, int]:
+        peers = len(self._table.all())
         with self._lock:
-            base = {"peers": len(self._peers), "batches": len(self._batches), "regions": len(self._regions)}
+            base = {"peers": peers, "batches": len(self._batches), "regions": len(self._regions)}
         return base | {"expectations": self._tracker.pending(),
                        "late_writes_dropped": self._tracker.late_writes_dropped} | self._native_stats()
 
@@ -263,6 +323,7 @@ class TransferBackend(PeerManager, ABC):
         if self._closed:
             return
         self._closed = True
+        self._table.closed = True
         self._server.close()
         for peer in self.peers():
             peer.close()

@@ -1,28 +1,39 @@
-"""Per-peer TCP control channel: handshake, small messages, liveness.
+"""Per-peer TCP control channel: authentication, handshake, small messages, liveness.
 
 One socket per peer pair. A process that dies has its sockets closed by the kernel,
 so EOF on this socket tells the survivor within milliseconds, for every backend alike,
 without waiting for the next write to fail (shm never fails it; tcp;ofi_rxm and
 Mooncake only on the next write). TCP keepalive covers hosts that vanish silently.
 
-Frames: 4-byte big-endian length, 1-byte kind, payload. Kinds are named below; a
-frame of an unknown kind is a protocol error and drops the connection.
+A connection is authenticated first (auth.py: fixed-size challenge and proof, nothing
+parsed), then must be admitted by a HELLO within the handshake timeout; until then only
+HELLO frames of at most MAX_HELLO bytes are read. After admission: frames of a 4-byte
+big-endian length, 1-byte kind, payload, up to MAX_FRAME. A frame of an unknown kind, an
+oversized length, a frame the owner cannot parse (its handler raised), a silent peer
+during the handshake: each closes that connection, with the reason logged and passed to
+`on_lost`; nothing else changes. The server bounds how many connections live at once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import socket
 import struct
 import threading
 from collections.abc import Callable
 
+from . import auth
 from .errors import PeerLostError, TransferError
 
+logger = logging.getLogger("sglang_disagg.backends")
+
 HELLO, MSG, NOTIFY, BYE = 1, 2, 3, 4
+KIND_NAMES = {HELLO: "HELLO", MSG: "MSG", NOTIFY: "NOTIFY", BYE: "BYE"}
 _HEADER = struct.Struct("!IB")
-MAX_FRAME = 64 << 20
+MAX_FRAME = 16 << 20   # an order for 2**20 tokens is ~8 MB of JSON
+MAX_HELLO = 64 << 10
 
 
 def _tune(sock: socket.socket) -> None:
@@ -33,21 +44,50 @@ def _tune(sock: socket.socket) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), val)
 
 
+def _peername(sock: socket.socket) -> str:
+    try:
+        host, port = sock.getpeername()[:2]
+        return f"{host}:{port}"
+    except OSError:
+        return "?"
+
+
 class ControlConn:
-    """A framed connection with a reader thread; `on_lost` runs once, on EOF or error."""
+    """A framed connection with a reader thread; `on_lost` runs once, on EOF or error.
+
+    A dialed connection authenticates in start() (the caller gets AuthError); an accepted
+    one in its reader thread, so a slow or hostile client never blocks the accept loop.
+    The owner calls admitted() from its HELLO handler once the peer is known."""
 
     def __init__(self, sock: socket.socket, on_frame: Callable[[ControlConn, int, bytes], None],
-                 on_lost: Callable[[ControlConn, str], None], dialed: bool = False) -> None:
+                 on_lost: Callable[[ControlConn, str], None], dialed: bool = False, secret: bytes | None = None,
+                 handshake_timeout_s: float = 2.0, on_closed: Callable[[], None] | None = None) -> None:
         _tune(sock)
         self.sock = sock
         self.dialed = dialed
-        self._on_frame, self._on_lost = on_frame, on_lost
+        self.remote = _peername(sock)
+        self._on_frame, self._on_lost, self._on_closed = on_frame, on_lost, on_closed
+        self._secret, self._handshake_s = secret, handshake_timeout_s
+        self._admitted = False
         self._send_lock = threading.Lock()
         self._closed = threading.Event()
+        self._released = threading.Lock()
         self._reader = threading.Thread(target=self._read_loop, name="control-reader", daemon=True)
 
     def start(self) -> None:
+        if self.dialed:
+            try:
+                auth.handshake(self.sock, self._secret, True, self._handshake_s)
+            except auth.AuthError:
+                self._shut()
+                raise
         self._reader.start()
+
+    def admitted(self) -> None:
+        """The peer's HELLO was accepted: lift the handshake deadline and frame bound."""
+        self._admitted = True
+        with contextlib.suppress(OSError):
+            self.sock.settimeout(None)
 
     def send(self, kind: int, payload: bytes = b"") -> None:
         if len(payload) > MAX_FRAME:
@@ -68,11 +108,16 @@ class ControlConn:
             with contextlib.suppress(TransferError):
                 self.send(BYE)
         self._closed.set()
+        self._shut()
+        if threading.current_thread() is not self._reader and self._reader.is_alive():
+            self._reader.join(timeout=1.0)
+
+    def _shut(self) -> None:
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
-        if threading.current_thread() is not self._reader and self._reader.is_alive():
-            self._reader.join(timeout=1.0)
+        if self._on_closed is not None and self._released.acquire(blocking=False):
+            self._on_closed()
 
     def _recv_exact(self, n: int) -> bytes | None:
         buf = bytearray()
@@ -86,13 +131,19 @@ class ControlConn:
     def _read_loop(self) -> None:
         reason = "connection closed by peer"
         try:
+            if not self.dialed:
+                auth.handshake(self.sock, self._secret, False, self._handshake_s)
             while True:
                 head = self._recv_exact(_HEADER.size)
                 if head is None:
                     break
                 length, kind = _HEADER.unpack(head)
-                if length > MAX_FRAME or kind not in (HELLO, MSG, NOTIFY, BYE):
-                    reason = f"protocol error (kind {kind}, length {length})"
+                limit = MAX_FRAME if self._admitted else MAX_HELLO
+                if kind not in KIND_NAMES or length > limit:
+                    reason = f"protocol error: frame kind {kind}, length {length} (limit {limit})"
+                    break
+                if not self._admitted and kind not in (HELLO, BYE):
+                    reason = f"protocol error: {KIND_NAMES[kind]} before the handshake"
                     break
                 payload = self._recv_exact(length) if length else b""
                 if payload is None:
@@ -100,36 +151,61 @@ class ControlConn:
                 if kind == BYE:
                     reason = "peer closed the connection"
                     break
-                self._on_frame(self, kind, payload)
+                try:
+                    self._on_frame(self, kind, payload)
+                except Exception as e:  # noqa: BLE001 - a bad frame costs its connection only
+                    reason = f"malformed {KIND_NAMES[kind]} frame: {e}"
+                    break
+        except auth.AuthError as e:
+            reason = str(e)
+        except socket.timeout:
+            reason = f"no handshake within {self._handshake_s} s"
         except OSError as e:
             reason = f"connection error: {e}"
         if not self._closed.is_set():
             self._closed.set()
-            with contextlib.suppress(OSError):
-                self.sock.close()
+            self._shut()
+            if reason.startswith(("protocol error", "malformed", "authentication", "no handshake", "no auth",
+                                  "peer does not", "peer's control", "peer echoed")):
+                logger.warning("control connection %s %s closed: %s", "to" if self.dialed else "from",
+                               self.remote, reason)
             self._on_lost(self, reason)
 
 
 class ControlServer:
-    """Accepts incoming control connections and hands each socket to `on_accept`."""
+    """Accepts incoming control connections and hands each socket to `on_accept`, at most
+    `max_connections` alive at once (the rest are closed at accept, with a log line)."""
 
-    def __init__(self, host: str, on_accept: Callable[[socket.socket], None], port: int = 0) -> None:
+    def __init__(self, host: str, on_accept: Callable[[socket.socket, Callable[[], None]], None], port: int = 0,
+                 max_connections: int = 256) -> None:
         try:
             self._sock = socket.create_server((host, port))
         except OSError as e:
             raise TransferError(f"cannot listen on {host}:{port}: {e}") from e
         self.address = f"{host}:{self._sock.getsockname()[1]}"
         self._on_accept = on_accept
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self.refused = 0
         self._thread = threading.Thread(target=self._loop, name="control-accept", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
         while True:
             try:
-                sock, _ = self._sock.accept()
+                sock, addr = self._sock.accept()
             except OSError:
                 return
-            self._on_accept(sock)
+            if not self._slots.acquire(blocking=False):
+                self.refused += 1
+                logger.warning("control server %s: refused %s: connection limit reached", self.address, addr)
+                sock.close()
+                continue
+            try:
+                self._on_accept(sock, self._slots.release)
+            except Exception:  # noqa: BLE001 - one bad socket must not stop accepting
+                logger.exception("control server %s: accepting %s failed", self.address, addr)
+                sock.close()
+                self._slots.release()
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

@@ -18,14 +18,18 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Hashable
 from dataclasses import dataclass, field
+from typing import Any
 
 from .errors import DeadlineExceeded, DescriptorError, PeerLostError, TransferError
 from .future import TransferFuture
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -35,6 +39,7 @@ class _Expectation:
     deadline: float
     peers: frozenset[str] | None
     seq: int
+    created: float = 0.0
     future: TransferFuture = field(default_factory=TransferFuture)
 
 
@@ -52,6 +57,12 @@ class ExpectTracker:
         self._deadlines: list[tuple[float, int, int]] = []  # (deadline, tag, seq)
         self._closed: BaseException | None = None
         self._seq = itertools.count()
+        # Other deadlines run on the same thread (batch deadlines, TransferBackend._submit):
+        # key -> (deadline, fn), fired in insertion order, so callers use one constant timeout.
+        self._watches: OrderedDict[Hashable, tuple[float, Callable[[], Any]]] = OrderedDict()
+        # Transport errors that name no request (a CQ error without our context): kept so that
+        # an expectation failing at its deadline can say what the transport reported meanwhile.
+        self._transport_error: tuple[float, str] | None = None
         self._timer = threading.Thread(target=self._run_timer, name=f"{name}-deadlines", daemon=True)
         self._timer.start()
 
@@ -67,7 +78,8 @@ class ExpectTracker:
         if count < 0 or timeout_s < 0:
             raise DescriptorError(f"count ({count}) and timeout_s ({timeout_s}) must be >= 0")
         peers = None if peer is None else frozenset([peer] if isinstance(peer, str) else peer)
-        exp = _Expectation(tag, count, time.monotonic() + timeout_s, peers, next(self._seq))
+        now = time.monotonic()
+        exp = _Expectation(tag, count, now + timeout_s, peers, next(self._seq), now)
         exp.future.label = f"expect(tag={tag}, count={count})"
         with self._lock:
             if self._closed is not None:
@@ -124,6 +136,25 @@ class ExpectTracker:
         if e is not None:
             e.future.set_exception(TransferError(f"tag {tag}: {reason}"))
 
+    def transport_error(self, text: str) -> None:
+        """Record an error the transport reported without naming a request: expectations
+        pending now that later miss their deadline quote it."""
+        with self._lock:
+            self._transport_error = (time.monotonic(), text)
+
+    def watch(self, key: Hashable, deadline: float, fn: Callable[[], Any]) -> None:
+        """Call `fn()` (on the deadline thread) at `deadline` unless unwatch(key) came first."""
+        with self._lock:
+            if self._closed is not None:
+                return
+            self._watches[key] = (deadline, fn)
+            if len(self._watches) == 1:
+                self._wake.notify()
+
+    def unwatch(self, key: Hashable) -> None:
+        with self._lock:
+            self._watches.pop(key, None)
+
     def is_retired(self, tag: int) -> bool:
         with self._lock:
             return tag in self._retired
@@ -142,10 +173,13 @@ class ExpectTracker:
             pending = list(self._waiting.values())
             self._waiting.clear()
             self._counts.clear()
+            self._watches.clear()
             self._wake.notify()
         for e in pending:
             e.future.set_exception(TransferError(f"tag {e.tag}: {reason}"))
-        self._timer.join(timeout=1.0)
+        # close() may be called from a callback running on the deadline thread itself
+        if threading.current_thread() is not self._timer:
+            self._timer.join(timeout=1.0)
 
     def pending(self) -> int:
         with self._lock:
@@ -172,6 +206,24 @@ class ExpectTracker:
         with self._lock:
             while self._closed is None:
                 now = time.monotonic()
+                calls = []
+                while self._watches:
+                    key, (deadline, fn) = next(iter(self._watches.items()))
+                    if deadline > now:
+                        break
+                    del self._watches[key]
+                    calls.append(fn)
+                if calls:
+                    self._lock.release()
+                    try:
+                        for fn in calls:
+                            try:
+                                fn()
+                            except Exception:  # noqa: BLE001 - one bad watcher must not stop the deadlines
+                                log.exception("deadline callback failed")
+                    finally:
+                        self._lock.acquire()
+                    continue
                 expired = []
                 while self._deadlines and self._deadlines[0][0] <= now:
                     _, tag, seq = heapq.heappop(self._deadlines)
@@ -179,15 +231,19 @@ class ExpectTracker:
                     if e is not None and e.seq == seq:
                         got = self._counts.get(tag, 0)
                         self._drop(e)
-                        expired.append((e, got))
+                        note = ""
+                        if self._transport_error and self._transport_error[0] >= e.created:
+                            note = f"; meanwhile the transport reported: {self._transport_error[1]}"
+                        expired.append((e, got, note))
                 if expired:
                     self._lock.release()
                     try:
-                        for e, got in expired:
+                        for e, got, note in expired:
                             e.future.set_exception(DeadlineExceeded(
-                                f"tag {e.tag}: {got} of {e.count} writes arrived before the deadline"))
+                                f"tag {e.tag}: {got} of {e.count} writes arrived before the deadline{note}"))
                     finally:
                         self._lock.acquire()
                     continue
-                wait = self._deadlines[0][0] - now if self._deadlines else None
-                self._wake.wait(wait)
+                nxt = [d for d in (self._deadlines[0][0] if self._deadlines else None,
+                                   next(iter(self._watches.values()))[0] if self._watches else None) if d is not None]
+                self._wake.wait(min(nxt) - now if nxt else None)

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from .errors import DeadlineExceeded
 
+log = logging.getLogger(__name__)
+
 
 class TransferFuture:
     """Completes exactly once, with a value or an exception.
 
     Callbacks run on the thread that completes the future (a backend's progress
-    thread): keep them short and never block in them.
+    thread): keep them short and never block in them. An exception raised by a callback
+    is logged and swallowed: it belongs to the caller's code, and letting it propagate
+    would kill the progress thread and with it every other transfer of the backend.
     """
 
     __slots__ = ("_callbacks", "_error", "_event", "_lock", "_value", "label")
@@ -61,5 +66,8 @@ class TransferFuture:
             self._event.set()
             callbacks, self._callbacks = self._callbacks, []
         for fn in callbacks:
-            fn(self)
+            try:
+                fn(self)
+            except Exception:  # noqa: BLE001 - see the class docstring
+                log.exception("callback of %s raised; ignored", self.label or "transfer future")
         return True

@@ -1,8 +1,9 @@
 """Mooncake transfer-engine adapter (TCP transport, P2P handshake, no metadata server).
 
 Mapping onto the contract:
-- Mooncake's Python API is synchronous per batch, so batches run in order on one worker
-  thread and complete their future when the call returns.
+- Mooncake's Python API is synchronous per batch, so each peer has its own worker thread:
+  that peer's batches run in order and complete their future when the call returns, and a
+  stalled peer (a decoder that stopped reading) holds up only its own batches.
 - immediates: the last sub-batch carries a TransferNotify ("sgd1 <tag> <count>"), which the
   target reads from get_notifies() after the data; the poller credits the tag.
 - limits: the TCP transport rejects batches over ~1024 entries ("lane queue-full"), so
@@ -14,6 +15,8 @@ Mapping onto the contract:
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import queue
 import threading
 import time
@@ -22,12 +25,13 @@ from typing import Any
 
 from .base import TransferBackend
 from .errors import BackendUnavailable, DescriptorError, TransferError
-from .peer import Peer
+from .peers import Peer
 from .regions import NativeRegistration, PageWrite, RegionDescriptor
 
 MAX_ENTRIES = 512
 MAX_BYTES = 32 << 20
 _NOTIF = "sgd1 "
+log = logging.getLogger(__name__)
 _CODES = {-1: "ERR_INVALID_ARGUMENT or transport failure", -2: "ERR_TOO_MANY_REQUESTS",
           -3: "ERR_ADDRESS_NOT_REGISTERED", -4: "ERR_BATCH_BUSY", -6: "ERR_DEVICE_NOT_FOUND",
           -7: "ERR_ADDRESS_OVERLAPPED"}
@@ -45,6 +49,20 @@ def _import_mooncake() -> Any:
 
 def _rc(what: str, rc: int) -> TransferError:
     return TransferError(f"Mooncake {what} returned {rc} ({_CODES.get(rc, 'see Mooncake log')})")
+
+
+def parse_notif(msg: str) -> tuple[int, int] | None:
+    """(tag, count) of one of our notifications; None for a message that is not ours.
+    Raises ValueError for one that claims to be ours but is malformed."""
+    if not msg.startswith(_NOTIF):
+        return None
+    fields = msg[len(_NOTIF):].split()
+    if len(fields) != 2:
+        raise ValueError(f"notification {msg[:64]!r}: expected 'sgd1 <tag> <count>'")
+    tag, count = int(fields[0]), int(fields[1])
+    if not 0 <= tag < 2**32 or count < 0:
+        raise ValueError(f"notification {msg[:64]!r}: tag or count out of range")
+    return tag, count
 
 
 def split(writes: Sequence[Any], max_entries: int = MAX_ENTRIES, max_bytes: int = MAX_BYTES) -> list[list[Any]]:
@@ -82,12 +100,13 @@ class MooncakeBackend(TransferBackend):
         if rc != 0:
             raise BackendUnavailable(str(_rc("initialize", rc)))
         self._session = f"{self.config.host}:{self._te.get_rpc_port()}"
-        self._jobs: queue.Queue = queue.Queue()
         self._inflight: dict[int, str] = {}  # batch id -> peer id, for stats
         self._stop = threading.Event()
-        self._worker = threading.Thread(target=self._work_loop, name="mooncake-worker", daemon=True)
+        # peer id -> its job queue; every worker ever started, so close can join them all
+        self._queues: dict[str, queue.Queue] = {}
+        self._workers: list[threading.Thread] = []
+        self._wlock = threading.Lock()
         self._notifier = threading.Thread(target=self._notify_loop, name="mooncake-notifies", daemon=True)
-        self._worker.start()
         self._notifier.start()
 
     def _endpoint_info(self) -> dict[str, Any]:
@@ -103,7 +122,24 @@ class MooncakeBackend(TransferBackend):
             raise DescriptorError(f"Mooncake descriptor names session {d.extra.get('session')!r}, peer is {peer.native!r}")
 
     def _native_disconnect(self, peer: Peer) -> None:
-        peer.native = None  # queued jobs for it fail fast in the worker
+        peer.native = None  # queued jobs for it fail fast in its worker, which then exits
+        with self._wlock:
+            q = self._queues.pop(peer.id, None)
+        if q is not None:
+            q.put(None)
+
+    def _queue_for(self, peer: Peer) -> queue.Queue:
+        with self._wlock:
+            if self._stop.is_set():
+                raise TransferError("Mooncake backend is closed")
+            q = self._queues.get(peer.id)
+            if q is None:
+                q = self._queues[peer.id] = queue.Queue()
+                t = threading.Thread(target=self._work_loop, args=(q,), daemon=True,
+                                     name=f"mooncake-worker-{peer.id[:8]}")
+                self._workers = [w for w in self._workers if w.is_alive()] + [t]
+                t.start()
+            return q
 
     def _native_register(self, addr: int, length: int) -> NativeRegistration:
         rc = self._te.register_memory(addr, length)
@@ -121,44 +157,75 @@ class MooncakeBackend(TransferBackend):
         parts = [([regs[w.src.id][0].addr + w.src_offset for w in part],
                   [w.dst.descriptor.base + w.dst_offset for w in part],
                   [w.length for w in part]) for part in split(writes)]
+        q = self._queue_for(peer)
         self._inflight[batch_id] = peer.id
-        self._jobs.put((batch_id, peer, parts, f"{_NOTIF}{imm} {len(writes)}"))
+        q.put((batch_id, peer, parts, f"{_NOTIF}{imm} {len(writes)}"))
 
-    def _work_loop(self) -> None:
+    def _work_loop(self, jobs: queue.Queue) -> None:
         while True:
-            job = self._jobs.get()
+            job = jobs.get()
             if job is None:
                 return
-            batch_id, peer, parts, note = job
-            error = None
-            session = peer.native
-            for i, (srcs, dsts, lens) in enumerate(parts):
-                if session is None or peer.native is None:
-                    error = "peer lost before the batch ran"
-                    break
-                if i == len(parts) - 1:
-                    notify = self._mc.TransferNotify(self._session, note)
-                    rc = self._te.batch_transfer_sync(session, srcs, dsts, lens, self._mc.TransferOpcode.Write, notify)
-                else:
-                    rc = self._te.batch_transfer_sync_write(session, srcs, dsts, lens)
-                if rc != 0:
-                    error = str(_rc(f"batch transfer to {session}", rc))
-                    break
+            batch_id = job[0]
+            try:
+                error = self._run_job(*job)
+            except Exception as e:  # noqa: BLE001 - fail this batch, keep serving the peer
+                log.exception("Mooncake batch %d failed unexpectedly", batch_id)
+                error = f"Mooncake batch failed: {e!r}"
             self._inflight.pop(batch_id, None)
             self._complete_batch(batch_id, error)
+
+    def _run_job(self, batch_id: int, peer: Peer, parts: list, note: str) -> str | None:
+        with self._lock:
+            if batch_id not in self._batches:  # expired or failed while queued: do not send
+                return None
+        session = peer.native
+        for i, (srcs, dsts, lens) in enumerate(parts):
+            if session is None or peer.native is None or self._stop.is_set():
+                return "peer lost before the batch ran"
+            if i == len(parts) - 1:
+                notify = self._mc.TransferNotify(self._session, note)
+                rc = self._te.batch_transfer_sync(session, srcs, dsts, lens, self._mc.TransferOpcode.Write, notify)
+            else:
+                rc = self._te.batch_transfer_sync_write(session, srcs, dsts, lens)
+            if rc != 0:
+                return str(_rc(f"batch transfer to {session}", rc))
+        return None
+
+    def _native_expire(self, batch_id: int) -> None:
+        # A synchronous Mooncake call cannot be interrupted; its result is ignored when it returns.
+        self._inflight.pop(batch_id, None)
+
+    def _fail_peer(self, session: str, reason: str) -> None:
+        """A peer whose notifications cannot be read cannot be counted on: drop it, which
+        fails its batches and expectations now instead of at their deadlines."""
+        log.error("Mooncake: dropping peer session %s: %s", session, reason)
+        for peer in self.peers():
+            if peer.native == session:
+                self._lose_peer(peer, reason)
+                with contextlib.suppress(Exception):
+                    peer.close()
 
     def _notify_loop(self) -> None:
         idle = 0
         while not self._stop.is_set():
             got = False
-            for n in self._te.get_notifies():
-                msg = n.msg
-                if isinstance(msg, bytes):
-                    msg = msg.decode(errors="replace")
-                if msg.startswith(_NOTIF):
-                    tag, count = msg[len(_NOTIF):].split()
-                    self._tracker.add(int(tag), int(count))
-                    got = True
+            try:
+                notes = self._te.get_notifies()
+            except Exception as e:  # noqa: BLE001 - the thread must outlive one bad call
+                log.warning("Mooncake get_notifies failed: %s", e)
+                notes = []
+            for n in notes:
+                try:
+                    msg = n.msg
+                    if isinstance(msg, bytes):
+                        msg = msg.decode(errors="replace")
+                    parsed = parse_notif(str(msg))
+                    if parsed is not None:
+                        self._tracker.add(*parsed)
+                        got = True
+                except Exception as e:  # noqa: BLE001 - a malformed message costs its sender only
+                    self._fail_peer(str(getattr(n, "name", "")), f"unreadable Mooncake notification: {e}")
             idle = 0 if got else idle + 1
             time.sleep(0 if idle < 50 else 0.0005)
 
@@ -166,7 +233,15 @@ class MooncakeBackend(TransferBackend):
         return {"native_batches": len(self._inflight)}
 
     def _native_close(self) -> None:
-        self._stop.set()
-        self._jobs.put(None)
-        self._worker.join(timeout=5.0)
-        self._notifier.join(timeout=2.0)
+        with self._wlock:
+            self._stop.set()
+            queues, self._queues = list(self._queues.values()), {}
+            workers = list(self._workers)
+        for q in queues:
+            q.put(None)
+        # One budget for all of them; never join the calling thread (close from a callback).
+        end = time.monotonic() + 5.0
+        me = threading.current_thread()
+        for t in workers + [self._notifier]:
+            if t is not me:
+                t.join(timeout=max(0.0, end - time.monotonic()))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -23,10 +24,25 @@ from typing import Any
 
 from .base import TransferBackend
 from .errors import BackendUnavailable, DescriptorError, PeerLostError, TransferError
-from .peer import Peer
+from .peers import Peer
 from .regions import NativeRegistration, PageWrite, RegionDescriptor
 
 _NOTIF = b"sgd1 "
+log = logging.getLogger(__name__)
+
+
+def parse_notif(msg: bytes) -> tuple[int, int] | None:
+    """(tag, count) of one of our notifications; None for a message that is not ours.
+    Raises ValueError for one that claims to be ours but is malformed."""
+    if not msg.startswith(_NOTIF):
+        return None
+    fields = msg[len(_NOTIF):].split()
+    if len(fields) != 2:
+        raise ValueError(f"notification {msg[:64]!r}: expected 'sgd1 <tag> <count>'")
+    tag, count = int(fields[0]), int(fields[1])
+    if not 0 <= tag < 2**32 or count < 0:
+        raise ValueError(f"notification {msg[:64]!r}: tag or count out of range")
+    return tag, count
 
 
 def _import_nixl() -> Any:
@@ -223,42 +239,79 @@ class NixlBackend(TransferBackend):
     def _poll_loop(self) -> None:
         idle = 0
         while not self._stop.is_set():
-            busy = self._poll_once()
+            try:
+                busy = self._poll_once()
+            except Exception:  # noqa: BLE001 - the thread completes every transfer: keep it alive
+                log.exception("NIXL progress iteration failed")
+                busy = False
             idle = 0 if busy or self._xfers else idle + 1
             # Spinning would starve UCX's progress thread on small machines; back off
             # further once idle for a while (~20 ms) to leave the CPU to the model.
             time.sleep(0 if idle < 50 else 0.0002 if idle < 150 else 0.001)
 
+    def _fail_peer(self, agent: str, reason: str) -> None:
+        """A peer whose notifications cannot be read cannot be counted on: drop it, which
+        fails its batches and expectations now instead of at their deadlines."""
+        log.error("NIXL: dropping peer agent %s: %s", agent, reason)
+        for peer in self.peers():
+            if peer.native == agent:
+                self._lose_peer(peer, reason)
+                with contextlib.suppress(Exception):
+                    peer.close()
+
     def _poll_once(self) -> bool:
         busy = False
         try:
             notifs = self._agent.get_new_notifs()
-        except Exception:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001
+            log.warning("NIXL get_new_notifs failed: %s", e)
             notifs = {}
-        for msgs in notifs.values():
+        for agent, msgs in notifs.items():
+            name = agent.decode(errors="replace") if isinstance(agent, bytes) else str(agent)
             for m in msgs:
-                if m.startswith(_NOTIF):
-                    tag, count = m[len(_NOTIF):].split()
-                    self._tracker.add(int(tag), int(count))
-                    busy = True
+                try:
+                    got = parse_notif(m if isinstance(m, bytes) else str(m).encode())
+                    if got is not None:
+                        self._tracker.add(*got)
+                        busy = True
+                except Exception as e:  # noqa: BLE001 - a malformed message costs its sender only
+                    self._fail_peer(name, f"unreadable NIXL notification: {e}")
+                    break
         with self._xlock:
             items = list(self._xfers.items())
         for bid, (handle, _) in items:
             try:
-                state, err = self._agent.check_xfer_state(handle), None
-            except Exception as e:  # noqa: BLE001 - e.g. nixlRemoteDisconnectError
-                state, err = "ERR", f"NIXL: {type(e).__name__}: {e}"
-            if state == "PROC":
-                continue
-            with self._xlock:
-                if self._xfers.pop(bid, None) is None:
-                    continue
-            self._release(handle)
-            self._complete_batch(bid, None if state == "DONE" else (err or "NIXL transfer failed (state ERR)"))
-            busy = True
+                busy |= self._check_xfer(bid, handle)
+            except Exception as e:  # noqa: BLE001 - fail that batch, keep polling the others
+                log.exception("NIXL: checking batch %d failed", bid)
+                with self._xlock:
+                    if self._xfers.pop(bid, None) is not None:
+                        self._zombies.append(handle)
+                self._complete_batch(bid, f"NIXL: checking the transfer failed: {e!r}")
         if self._zombies:
             self._reap()
         return busy
+
+    def _check_xfer(self, bid: int, handle: Any) -> bool:
+        try:
+            state, err = self._agent.check_xfer_state(handle), None
+        except Exception as e:  # noqa: BLE001 - e.g. nixlRemoteDisconnectError
+            state, err = "ERR", f"NIXL: {type(e).__name__}: {e}"
+        if state == "PROC":
+            return False
+        with self._xlock:
+            if self._xfers.pop(bid, None) is None:
+                return False
+        self._release(handle)
+        self._complete_batch(bid, None if state == "DONE" else (err or "NIXL transfer failed (state ERR)"))
+        return True
+
+    def _native_expire(self, batch_id: int) -> None:
+        # NIXL cannot cancel a posted transfer: release its handle when NIXL lets us.
+        with self._xlock:
+            entry = self._xfers.pop(batch_id, None)
+            if entry is not None:
+                self._zombies.append(entry[0])
 
     def _native_stats(self) -> dict[str, int]:
         with self._xlock:
@@ -266,7 +319,10 @@ class NixlBackend(TransferBackend):
 
     def _native_close(self) -> None:
         self._stop.set()
-        self._poller.join(timeout=2.0)
+        # Bounded, and never from the poller itself (close called from a callback): the agent
+        # outlives close, and every call into it is serialised, so a late poll is harmless.
+        if threading.current_thread() is not self._poller:
+            self._poller.join(timeout=2.0)
         with self._xlock:
             handles = [h for h, _ in self._xfers.values()] + self._zombies
             self._xfers, self._zombies = {}, []

@@ -1,43 +1,97 @@
-"""Peer management over the control channel: handshake, admission, messages, loss.
+"""Peers over the control channel: handshake, admission, messages, loss.
 
-Mixed into TransferBackend (base.py), whose state it uses. The handshake is one HELLO
-each way carrying version, backend, provider, instance id, control address and the
-backend's endpoint info; a mismatch is refused with a reason the dialer raises.
-Peer loss (EOF, reset, BYE) fails that peer's batches and expectations at once.
+A PeerTable owns every control connection of one backend and the peers admitted on them.
+It talks to its backend only through what it is given at construction: the backend's
+HELLO, a check of the peer's, `attach`/`detach` (the backend's native per-peer state, and
+failing that peer's batches and expectations) and `credit` (NOTIFY arrivals).
+
+After authentication (auth.py, in control.py) the handshake is one HELLO each way
+(messages.py); a mismatch is refused with a reason the dialer raises. A frame that fails a
+check closes its connection (control.py logs why); nothing else changes. Peer loss (EOF,
+reset, BYE) detaches the peer at once, so its batches and expectations fail within
+milliseconds.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import queue
 import socket
-from typing import Any
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from . import control
+from .config import BackendConfig
 from .errors import DeadlineExceeded, PeerLostError, TransferError
-from .peer import Peer
-from .regions import DESCRIPTOR_VERSION, PeerState
+from .messages import parse_hello, parse_notify
+from .regions import PeerState, RemoteRegion
+
+if TYPE_CHECKING:
+    from .base import TransferBackend
 
 
-class PeerManager:
-    """Uses TransferBackend's _lock, _peers, _conn_peer, _handshakes, _accepted, _inbox,
-    _batches, _tracker and its _native_connect / _native_disconnect hooks."""
+class Peer:
+    """A connected peer: its control connection and whatever the backend attached to it."""
 
-    def connect(self, address: str, timeout_s: float | None = None) -> Peer:
-        self._check_open()
-        timeout = timeout_s if timeout_s is not None else self.config.connect_timeout_s
-        conn = control.ControlConn(control.dial(address, timeout), self._on_frame, self._on_conn_lost, dialed=True)
+    def __init__(self, backend: TransferBackend, table: PeerTable, conn: control.ControlConn, instance: str,
+                 address: str, endpoint: dict[str, Any]) -> None:
+        self.id = instance            # the peer backend's instance id (descriptor owner)
+        self.address = address        # its control address
+        self.endpoint = endpoint      # backend-specific connection info from its hello
+        self.state = PeerState.CONNECTED
+        self.native: Any = None       # backend's per-peer state (fi_addr, agent name, session)
+        self._backend, self._table, self._conn = backend, table, conn
+
+    def add_remote_region(self, descriptor: bytes | str) -> RemoteRegion:
+        return self._backend.add_remote_region(self, descriptor)
+
+    def send(self, data: bytes) -> None:
+        """A small control message, delivered in order to the peer's `recv()`."""
+        self._conn.send(control.MSG, bytes(data))
+
+    def notify(self, tag: int, count: int) -> None:
+        """Credit `count` arrivals for `tag` at the peer (for backends without native immediates)."""
+        self._conn.send_json(control.NOTIFY, {"tag": tag, "count": count})
+
+    def close(self) -> None:
+        self._conn.close(say_bye=True)
+        self._table.drop(self, PeerState.CLOSED, "closed locally")
+
+    def __repr__(self) -> str:
+        return f"Peer({self.address}, {self.id[:8]}, {self.state.value})"
+
+
+class PeerTable:
+    def __init__(self, backend: TransferBackend, config: BackendConfig, lock: threading.Lock, *,
+                 hello: Callable[[], dict[str, Any]], check: Callable[[dict[str, Any]], None],
+                 attach: Callable[[Peer], None], detach: Callable[[Peer, PeerState, str], None],
+                 credit: Callable[[int, int], None]) -> None:
+        # `lock` is the backend's: a batch is submitted only while its peer is CONNECTED
+        # under it, and drop() changes the state under it, so no batch escapes a loss.
+        self._backend, self._config, self._lock = backend, config, lock
+        self._hello, self._check, self._attach, self._detach, self._credit = hello, check, attach, detach, credit
+        self._conn_peer: dict[control.ControlConn, Peer] = {}
+        self._handshakes: dict[control.ControlConn, queue.Queue] = {}
+        self._accepted: queue.Queue[Peer] = queue.Queue()
+        self._inbox: queue.Queue[tuple[Peer, bytes]] = queue.Queue()
+        self.closed = False
+
+    # ----- the backend's public calls ------------------------------------------------
+    def connect(self, address: str, timeout_s: float) -> Peer:
+        cfg = self._config
+        conn = control.ControlConn(control.dial(address, timeout_s), self._on_frame, self._on_conn_lost, dialed=True,
+                                   secret=cfg.secret, handshake_timeout_s=min(timeout_s, cfg.handshake_timeout_s))
         box: queue.Queue = queue.Queue()
         with self._lock:
             self._handshakes[conn] = box
-        conn.start()
         try:
+            conn.start()
             conn.send_json(control.HELLO, self._hello())
             try:
-                reply = box.get(timeout=timeout)
+                reply = box.get(timeout=timeout_s)
             except queue.Empty:
-                raise DeadlineExceeded(f"no handshake reply from {address} in {timeout} s") from None
+                raise DeadlineExceeded(f"no handshake reply from {address} in {timeout_s} s") from None
             if isinstance(reply, BaseException):
                 raise reply
             return reply
@@ -48,76 +102,91 @@ class PeerManager:
             raise
 
     def wait_peer(self, timeout_s: float) -> Peer:
-        """Next peer that connected to us."""
         try:
             return self._accepted.get(timeout=timeout_s)
         except queue.Empty:
             raise DeadlineExceeded(f"no peer connected within {timeout_s} s") from None
 
-    def peers(self) -> list[Peer]:
+    def recv(self, timeout_s: float) -> tuple[Peer, bytes]:
+        try:
+            return self._inbox.get(timeout=timeout_s)
+        except queue.Empty:
+            raise DeadlineExceeded(f"no control message within {timeout_s} s") from None
+
+    def all(self) -> list[Peer]:
         with self._lock:
-            return list(self._peers.values())
+            return list(self._conn_peer.values())
 
-    def _hello(self) -> dict[str, Any]:
-        return {"v": DESCRIPTOR_VERSION, "backend": self.name, "provider": self.provider,
-                "instance": self.instance, "address": self.address, "endpoint": self._endpoint_info()}
+    def drop(self, peer: Peer, state: PeerState, reason: str) -> None:
+        """Mark the peer gone (once) and let the backend fail what depended on it."""
+        with self._lock:
+            if peer.state is not PeerState.CONNECTED:
+                return
+            peer.state = state
+            self._conn_peer.pop(peer._conn, None)
+        self._detach(peer, state, reason)
 
+    def on_accept(self, sock: socket.socket, release: Callable[[], None]) -> None:
+        if self.closed:
+            sock.close()
+            release()
+            return
+        control.ControlConn(sock, self._on_frame, self._on_conn_lost, secret=self._config.secret,
+                            handshake_timeout_s=self._config.handshake_timeout_s, on_closed=release).start()
+
+    # ----- control connections' reader threads --------------------------------------
     def _admit(self, conn: control.ControlConn, hello: dict[str, Any]) -> Peer:
-        if (hello.get("v"), hello.get("backend"), hello.get("provider")) != (DESCRIPTOR_VERSION, self.name, self.provider):
-            raise TransferError(f"peer runs {hello.get('backend')}/{hello.get('provider')} v{hello.get('v')}, "
-                                f"we run {self.name}/{self.provider} v{DESCRIPTOR_VERSION}")
-        peer = Peer(self, conn, str(hello["instance"]), str(hello["address"]), hello.get("endpoint") or {})
-        self._native_connect(peer)
+        if "error" in hello:
+            raise TransferError(f"peer refused the connection: {hello['error']}")
+        self._check(hello)
+        peer = Peer(self._backend, self, conn, hello["instance"], hello["address"], hello["endpoint"])
+        self._attach(peer)
+        conn.admitted()
         with self._lock:
             self._handshakes.pop(conn, None)
-            self._peers[peer.id] = peer
             self._conn_peer[conn] = peer
         return peer
 
-    def _on_accept(self, sock: socket.socket) -> None:
-        if self._closed:
-            sock.close()
-            return
-        control.ControlConn(sock, self._on_frame, self._on_conn_lost).start()
-
     def _on_frame(self, conn: control.ControlConn, kind: int, payload: bytes) -> None:
         if kind == control.HELLO:
-            hello = json.loads(payload)
-            with self._lock:
-                box = self._handshakes.get(conn)
-            if box is not None:            # reply to our own connect(): admit here, before
-                try:                       # this reader thread reads the peer's next frame
-                    if "error" in hello:
-                        raise TransferError(f"peer refused the connection: {hello['error']}")
-                    box.put(self._admit(conn, hello))
-                except Exception as e:  # noqa: BLE001 - handed to connect() to raise
-                    box.put(e)
-                return
-            if conn.dialed:                # late reply to a connect() that gave up
-                conn.close(say_bye=False)
-                return
-            try:                           # an incoming peer
-                peer = self._admit(conn, hello)
-            except Exception as e:  # noqa: BLE001 - a bad hello only costs that connection
-                with contextlib.suppress(TransferError):
-                    conn.send_json(control.HELLO, {"error": str(e)})
-                conn.close(say_bye=False)
-                return
-            try:
-                conn.send_json(control.HELLO, self._hello())
-            except TransferError as e:
-                self._drop_peer(peer, PeerState.LOST, f"handshake reply failed: {e}")
-                return
-            self._accepted.put(peer)
+            self._on_hello(conn, payload)
             return
         peer = self._conn_peer.get(conn)
         if peer is None:
-            return
+            raise TransferError(f"{control.KIND_NAMES.get(kind, kind)} from a peer that is not admitted")
         if kind == control.MSG:
             self._inbox.put((peer, payload))
         elif kind == control.NOTIFY:
-            note = json.loads(payload)
-            self._tracker.add(int(note["tag"]), int(note["count"]))
+            self._credit(*parse_notify(payload))
+
+    def _on_hello(self, conn: control.ControlConn, payload: bytes) -> None:
+        with self._lock:
+            if conn in self._conn_peer:
+                raise TransferError("a second HELLO on an admitted connection")
+            box = self._handshakes.get(conn)
+        hello = parse_hello(payload)
+        if box is not None:            # reply to our own connect(): admit here, before
+            try:                       # this reader thread reads the peer's next frame
+                box.put(self._admit(conn, hello))
+            except Exception as e:  # noqa: BLE001 - handed to connect() to raise
+                box.put(e)
+            return
+        if conn.dialed:                # late reply to a connect() that gave up
+            conn.close(say_bye=False)
+            return
+        try:                           # an incoming peer
+            peer = self._admit(conn, hello)
+        except Exception as e:  # noqa: BLE001 - a bad hello only costs that connection
+            with contextlib.suppress(TransferError):
+                conn.send_json(control.HELLO, {"error": str(e)})
+            conn.close(say_bye=False)
+            return
+        try:
+            conn.send_json(control.HELLO, self._hello())
+        except TransferError as e:
+            self.drop(peer, PeerState.LOST, f"handshake reply failed: {e}")
+            return
+        self._accepted.put(peer)
 
     def _on_conn_lost(self, conn: control.ControlConn, reason: str) -> None:
         with self._lock:
@@ -126,21 +195,4 @@ class PeerManager:
         if box is not None:
             box.put(PeerLostError(f"handshake failed: {reason}"))
         if peer is not None:
-            self._drop_peer(peer, PeerState.LOST, reason)
-
-    def _drop_peer(self, peer: Peer, state: PeerState, reason: str) -> None:
-        with self._lock:
-            if peer.state is not PeerState.CONNECTED:
-                return
-            peer.state = state
-            self._peers.pop(peer.id, None)
-            failed = [(bid, fut) for bid, (pid, fut) in self._batches.items() if pid == peer.id]
-            for bid, _ in failed:
-                del self._batches[bid]
-        try:
-            self._native_disconnect(peer)
-        finally:
-            err = PeerLostError(f"peer {peer.address} ({peer.id[:8]}) {state.value}: {reason}")
-            for _, fut in failed:
-                fut.set_exception(err)
-            self._tracker.peer_lost(peer.id, reason)
+            self.drop(peer, PeerState.LOST, reason)

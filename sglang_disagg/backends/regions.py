@@ -21,20 +21,6 @@ class PeerState(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
-class BackendConfig:
-    """`provider` selects the libfabric provider ("shm", "tcp" = tcp;ofi_rxm, "efa", "verbs");
-    other backends ignore it. `host` is where the control channel listens (and, for TCP
-    transports, the data path binds): loopback in tests. `port` is the control channel's
-    port (0: any free port). `options` are backend specific."""
-
-    provider: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 0
-    connect_timeout_s: float = 5.0
-    options: Mapping[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True, slots=True)
 class MemoryRegion:
     """A local registration. Offsets in writes are relative to `addr`."""
 

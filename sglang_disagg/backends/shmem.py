@@ -25,7 +25,7 @@ from typing import Any
 from .. import shm
 from .base import TransferBackend
 from .errors import BackendUnavailable, DescriptorError, TransferError
-from .peer import Peer
+from .peers import Peer
 from .regions import MemoryRegion, NativeRegistration, PageWrite, RegionDescriptor, RemoteRegion
 
 
@@ -144,7 +144,8 @@ class ShmemBackend(TransferBackend):
 
     def _native_close(self) -> None:
         self._jobs.put(None)
-        self._worker.join(timeout=5.0)
+        if threading.current_thread() is not self._worker:  # close() from a completion callback
+            self._worker.join(timeout=5.0)
         with self._maps_lock:
             maps, self._maps = list(self._maps.values()), {}
         for m in maps:

@@ -10,7 +10,7 @@ from .regions import MemoryRegion, PageWrite, RemoteRegion
 
 if TYPE_CHECKING:
     from .base import TransferBackend
-    from .peer import Peer
+    from .peers import Peer
 
 
 def _uint(name: str, v: Any, i: int) -> int:

@@ -149,16 +149,18 @@ def fresh(request, procs):
 
 SHM_HOL = ("libfabric 1.17 shm consumes write responses in order from the sender's response queue; "
            "a write to a dead peer stays BUSY at its head forever, so no later non-inject write from that "
-           "endpoint completes. The backend reports it (TransferError naming head-of-line) instead of hanging; "
-           "recovery is a new backend")
+           "endpoint completes. When that peer is lost the backend replaces its endpoint by itself; while the peer "
+           "lives (it deregistered the region) the batch fails at its deadline and the endpoint stays blocked")
 
 
 def _reuse_with_new_peer(survivor: Proc, is_writer: bool, fresh: Pair, procs: list) -> None:
-    """The survivor must work with a brand-new peer after the loss."""
-    if is_writer and fresh.provider == "shm" and survivor.call("stats")["poisoned"]:
-        with pytest.raises(WorkerError, match="head-of-line"):
-            _reuse_body(survivor, is_writer, fresh, procs)
-        pytest.xfail(SHM_HOL)
+    """The survivor must work with a brand-new peer after the loss. A libfabric shm writer
+    whose peer died with writes in flight (SHM_HOL) replaces its endpoint first, by itself."""
+    if is_writer and fresh.provider == "shm":
+        end = time.monotonic() + 2.0
+        while (stats := survivor.call("stats"))["poisoned"] and time.monotonic() < end:
+            time.sleep(0.05)
+        assert not stats["poisoned"], stats
     _reuse_body(survivor, is_writer, fresh, procs)
 
 
@@ -244,3 +246,194 @@ def test_close_releases_everything(pair: Pair) -> None:
         assert pair.rx.call("stats")["peers"] == 1  # only the pair's own peer remains
     finally:
         p.stop()
+
+
+# ----- faults: tag reuse, deregistration and close under load, stalled peers, batch deadlines -----
+
+from fault_harness import FaultPair, FaultProc  # noqa: E402 - grouped with the tests that use it
+
+
+@pytest.fixture(params=case_params())
+def faulty(request, procs):
+    p = FaultPair(*request.param, options={"batch_timeout_s": 3.0})
+    procs.extend([p.tx, p.rx])
+    return p
+
+
+def _until(fn, timeout: float = 5.0, step: float = 0.05):
+    """fn() until truthy or timeout; returns its last value."""
+    end = time.monotonic() + timeout
+    while True:
+        v = fn()
+        if v or time.monotonic() > end:
+            return v
+        time.sleep(step)
+
+
+def test_tag_reuse_after_failed_request(pair: Pair) -> None:
+    """Writes of a request whose expectation failed never count toward anything later:
+    neither toward the same tag (it is retired: expecting it again is refused) nor another."""
+    tag, page = 6100, 4096
+    pair.write([[0, 0, page]], imm=tag)                     # one write lands before the failure
+    err = pair.rx.error("expect", rpc_timeout=10, tag=tag, count=3, timeout=0.3)
+    assert err.type == "DeadlineExceeded" and "1 of 3" in err.msg, err
+    dropped = pair.rx.call("stats")["late_writes_dropped"]
+    pair.write([[page, page, page], [2 * page, 2 * page, page]], imm=tag)   # the late rest of it
+    assert _until(lambda: pair.rx.call("stats")["late_writes_dropped"] >= dropped + 2), pair.rx.call("stats")
+    assert pair.rx.call("arrived", tag=tag)["count"] == 0
+    err = pair.rx.error("expect", tag=tag, count=2, timeout=1.0)     # a later request with the same tag
+    assert err.type == "DescriptorError" and "retired" in err.msg, err
+    # the late writes were not credited to a different tag either
+    pair.write([[3 * page, 3 * page, page], [4 * page, 4 * page, page]], imm=tag + 1)
+    pair.rx.call("expect", rpc_timeout=25, tag=tag + 1, count=2, timeout=20.0)
+    assert pair.rx.call("arrived", tag=tag + 1)["count"] == 0
+    assert pair.rx.call("stats")["expectations"] == 0
+
+
+def test_deregister_while_writes_in_flight(faulty: FaultPair) -> None:
+    """Deregistering a source (writer) or destination (receiver) region under a stream of
+    writes gives completions or a clean TransferError, never a crash; both sides stay usable."""
+    p = faulty
+    writes = [[i * (1 << 20), i * (1 << 20), 1 << 20] for i in range(8)]
+    src2 = p.tx.call("alloc", size=8 << 20, seed=7)["region"]
+    p.tx.call("writer_start", peer=p.tx_peer, region=src2, remote=p.remote, writes=writes, imm=81)
+    _until(lambda: p.tx.call("writer_done")["done"] >= 1, timeout=10.0)
+    p.tx.call("dealloc", region=src2)
+    got = p.tx.call("writer_stop", rpc_timeout=40)
+    assert not got["alive"], got
+    # after the deregistration the next write is refused before posting (DescriptorError);
+    # one already being posted may fail in the library (TransferError)
+    assert got["error"] is None or got["error"]["type"] in ("DescriptorError", "TransferError"), got
+    err = p.tx.error("write", peer=p.tx_peer, region=src2, remote=p.remote, writes=[[0, 0, 4096]], imm=82)
+    assert err.type == "DescriptorError", err
+
+    dst2 = p.rx.call("alloc", size=8 << 20)
+    remote2 = p.tx.call("add_remote", peer=p.tx_peer, desc=dst2["desc"])["remote"]
+    p.tx.call("writer_start", peer=p.tx_peer, region=p.src, remote=remote2, writes=writes, imm=83)
+    _until(lambda: p.tx.call("writer_done")["done"] >= 1, timeout=10.0)
+    p.rx.call("dealloc", region=dst2["region"])
+    time.sleep(0.2)
+    got = p.tx.call("writer_stop", rpc_timeout=40)
+    assert not got["alive"], got
+    # DeadlineExceeded: libfabric shm never answers a write into a closed region (the
+    # receiver's CQ gets the error); the batch deadline turns that into a clean failure.
+    assert got["error"] is None or got["error"]["type"] in ("TransferError", "PeerLostError", "DeadlineExceeded"), got
+    p.rx.call("ping")
+    print("receiver after its region went:", p.rx.call("stats"), "writer:", got)
+
+    # both processes alive, nothing left behind, and the original regions still work
+    p.tx.call("ping")
+    p.rx.call("ping")
+    assert _until(lambda: p.tx.call("stats")["batches"] == 0), p.tx.call("stats")
+    if got["error"] and got["error"]["type"] == "DeadlineExceeded" and p.provider == "shm":
+        pytest.xfail(SHM_HOL)  # the unanswered write blocks later ones on this endpoint
+    if got["error"] is None or got["error"]["type"] != "PeerLostError":
+        try:
+            p.write([[0, 0, 65536]], imm=84)
+        except WorkerError as e:
+            # Mooncake resets its connection after a failed transfer: the next one fails too
+            # and the one after reconnects (transports.md: "next write -1 after 1 s")
+            assert got["error"] and e.type == "TransferError", e
+            time.sleep(1.2)
+            p.write([[0, 0, 65536]], imm=84)
+        p.rx.call("expect", tag=84, count=1, timeout=10.0)
+        assert p.rx.call("digest", region=p.dst, ranges=[[0, 65536]])["sha"] == _expected(p, [[0, 0, 65536]])
+
+
+def test_close_while_callbacks_run(faulty: FaultPair) -> None:
+    """close() while completion callbacks block the progress threads, with a batch in flight:
+    close returns, pending futures fail with TransferError, nothing crashes, threads end."""
+    p = faulty
+    exp = p.rx.call("expect_cb", tag=91, count=1, timeout=30.0, block_s=2.5)["future"]
+    p.tx.call("write_cb", peer=p.tx_peer, region=p.src, remote=p.remote, writes=[[0, 0, 65536]], imm=91,
+              block_s=2.5)
+    assert _until(lambda: p.tx.call("cb_state")["started"] == 1 and p.rx.call("cb_state")["started"] == 1), \
+        (p.tx.call("cb_state"), p.rx.call("cb_state"))
+    # one more batch behind the blocked callback, and an expectation that cannot be met
+    late = p.tx.call("write", peer=p.tx_peer, region=p.src, remote=p.remote, writes=[[65536, 65536, 65536]],
+                     imm=92, wait=None)["future"]
+    pending = p.rx.call("expect", tag=93, count=1, timeout=30.0, wait=False)["future"]
+    t0 = time.monotonic()
+    p.tx.call("close", rpc_timeout=15)
+    p.rx.call("close", rpc_timeout=15)
+    assert time.monotonic() - t0 < 12.0
+    got = p.tx.call("failed_at", future=late, timeout=5.0)
+    assert got["type"] in (None, "TransferError", "PeerLostError"), got
+    got = p.rx.call("failed_at", future=pending, timeout=5.0)
+    assert got["type"] in ("TransferError", "PeerLostError"), got  # the writer's close may come first
+    assert p.rx.call("failed_at", future=exp, timeout=1.0)["type"] is None
+    err = p.tx.error("write", peer=p.tx_peer, region=p.src, remote=p.remote, writes=[[0, 0, 4096]], imm=94)
+    assert err.type in ("TransferError", "PeerLostError"), err
+    for proc in (p.tx, p.rx):
+        assert _until(lambda proc=proc: proc.call("cb_state")["finished"] == 1, timeout=6.0), proc.call("cb_state")
+        assert proc.call("cb_state")["errors"] == []
+        left = _until(lambda proc=proc: not [t for t in proc.call("threads")["threads"]
+                                             if t.startswith(("libfabric", "nixl", "mooncake", "shmem"))], timeout=5.0)
+        assert left, proc.call("threads")
+
+
+def test_close_from_a_callback(faulty: FaultPair) -> None:
+    """A completion callback that closes its own backend (on the progress thread) neither
+    deadlocks nor crashes, and the backend ends closed."""
+    p = faulty
+    p.tx.call("write_cb", peer=p.tx_peer, region=p.src, remote=p.remote, writes=[[0, 0, 65536]], imm=95, close=True)
+    p.rx.call("expect_cb", tag=95, count=1, timeout=20.0, close=True)
+    for proc in (p.tx, p.rx):
+        assert _until(lambda proc=proc: proc.call("cb_state")["finished"] == 1, timeout=10.0), proc.call("cb_state")
+        assert proc.call("cb_state")["errors"] == [], proc.call("cb_state")
+        err = proc.error("expect", tag=96, count=1, timeout=1.0)
+        assert err.type == "TransferError" and "closed" in err.msg, err
+        left = _until(lambda proc=proc: not [t for t in proc.call("threads")["threads"]
+                                             if t.startswith(("libfabric", "nixl", "mooncake", "shmem"))], timeout=5.0)
+        assert left, proc.call("threads")
+
+
+@pytest.mark.parametrize("case", case_params())
+def test_stalled_peer_isolated_and_batch_deadline(case, procs: list) -> None:
+    """A receiver that stops (SIGSTOP: a decoder that no longer reads) delays no write to
+    another peer; the batch to it fails with DeadlineExceeded at the batch deadline (or
+    completes, where the transport needs nothing from the receiver) and leaves no bookkeeping."""
+    backend, provider = case
+    opts = {"batch_timeout_s": 2.0}
+    tx = FaultProc(backend, provider, opts)
+    procs.append(tx)
+    rx = []
+    for _ in range(2):
+        r = FaultProc(backend, provider, opts)
+        procs.append(r)
+        peer = tx.call("connect", address=r.address)["peer"]
+        r.call("accept")
+        remote = tx.call("add_remote", peer=peer, desc=r.call("alloc", size=16 << 20)["desc"])["remote"]
+        rx.append((r, peer, remote))
+    src = tx.call("alloc", size=16 << 20, seed=5)["region"]
+    for r, peer, remote in rx:  # connections up (tcp;ofi_rxm connects on first write, needing the peer)
+        tx.call("write", peer=peer, region=src, remote=remote, imm=100, writes=[[0, 0, 4096]], wait=10.0)
+    (slow, slow_peer, slow_remote), (fast, fast_peer, fast_remote) = rx
+    slow.pause()
+    try:
+        big = tx.call("write", rpc_timeout=20, peer=slow_peer, region=src, remote=slow_remote, imm=101, wait=None,
+                      writes=[[i << 22, i << 22, 1 << 22] for i in range(4)])["future"]
+    except WorkerError as e:  # posting itself may give up on a peer that takes nothing (queue full)
+        assert e.type == "TransferError" and "timed out" in e.msg, e
+        big = None
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    if provider == "shm" and tx.call("stats")["native_batches"]:
+        # libfabric 1.17 shm completes writes in order of the sender's response queue (SHM_HOL):
+        # with one to a stopped receiver outstanding, a write to another peer waits behind it.
+        # That costs a deadline, not a crash; a stalled decoder needs its own endpoint on shm.
+        got = tx.call("write", rpc_timeout=15, peer=fast_peer, region=src, remote=fast_remote, imm=102,
+                      writes=[[0, 0, 65536]], wait=None)
+        res = tx.call("failed_at", rpc_timeout=15, future=got["future"], timeout=8.0)
+        assert res["type"] in (None, "DeadlineExceeded"), res
+    else:
+        tx.call("write", rpc_timeout=10, peer=fast_peer, region=src, remote=fast_remote, imm=102,
+                writes=[[0, 0, 65536]], wait=1.5)
+        fast.call("expect", tag=102, count=1, timeout=5.0)
+        assert time.monotonic() - t0 < 1.5, "a write to a healthy peer waited for the stalled one"
+    if big is not None:
+        got = tx.call("failed_at", rpc_timeout=15, future=big, timeout=8.0)
+        assert got["type"] in (None, "DeadlineExceeded"), got
+    assert _until(lambda: tx.call("stats")["batches"] == 0), tx.call("stats")
+    slow.resume()
+    tx.call("ping")

@@ -13,10 +13,15 @@ import os
 import random
 import threading
 import time
+import sys
 import traceback
+from pathlib import Path
 
 from sglang_disagg.backends import BackendConfig, TransferError, create_backend
-from sglang_disagg.backends.jsonl_worker import serve
+
+# The JSON-lines loop is shared with the transfer benchmark's worker.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from jsonl_worker import serve  # noqa: E402
 
 
 def pattern(seed: int, size: int) -> bytes:

@@ -10,19 +10,23 @@ offsets), FI_MR_PROV_KEY (provider-chosen keys travel in the descriptor), FI_MR_
 from __future__ import annotations
 
 import base64
+import logging
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 from ..base import TransferBackend
-from ..errors import BackendUnavailable, PeerLostError, TransferError
-from ..peer import Peer
+from ..errors import BackendUnavailable, DescriptorError, PeerLostError, TransferError
+from ..peers import Peer
 from ..regions import MemoryRegion, NativeRegistration, PageWrite, PeerState, RemoteRegion
 
 PROVIDERS = {"shm": "shm", "tcp": "tcp;ofi_rxm", "net": "net", "efa": "efa", "verbs": "verbs;ofi_rxm",
              "sockets": "sockets"}
 _EVENTS = 256
 _POLL_US = 2000
+_EV_BATCH, _EV_IMM, _EV_ASYNC, _EV_TAG_FAILED = 1, 2, 3, 4
+log = logging.getLogger(__name__)
 
 try:
     from ._shim import ffi, lib
@@ -69,7 +73,7 @@ class LibfabricBackend(TransferBackend):
                 missing.append(f"{label} ({err})")
             else:
                 found.append(label)
-                lib.shim_close(ep[0])
+                lib.shim_free(ep[0])
         if not found:
             return False, "no provider: " + "; ".join(missing)
         return True, "providers: " + ", ".join(found) + ("; absent: " + ", ".join(m.split(" ")[0] for m in missing) if missing else "")
@@ -87,11 +91,11 @@ class LibfabricBackend(TransferBackend):
 
     def _native_open(self) -> None:
         _need_shim()
-        ep, err = ffi.new("shim_ep **"), _Errbuf()
-        node = self._node(self.provider, self.config.host)
-        if lib.shim_open(PROVIDERS[self.provider].encode(), node or ffi.NULL, ep, err.buf, 256):
-            raise BackendUnavailable(f"libfabric provider {PROVIDERS[self.provider]} unusable: {err}")
-        self._ep = ep[0]
+        self._ep = self._open_endpoint()
+        self._shim_closed = False
+        self._ep_lock = threading.RLock()  # registration vs. replacing the endpoint
+        self._healing = False
+        self.endpoints_replaced = 0
         info = ffi.new("shim_info *")
         lib.shim_get_info(self._ep, info)
         self.fi_info = {k: (ffi.string(getattr(info, k)).decode() if k in ("prov", "fabric", "domain")
@@ -101,10 +105,61 @@ class LibfabricBackend(TransferBackend):
         self.max_write_bytes = min(self.max_write_bytes, self.fi_info["max_msg_size"])
         self._stop = threading.Event()
         self._async_error = ""
+        self._async_errors = 0
         self._stale_addrs = 0
         self._poisoned = ""
-        self._poller = threading.Thread(target=self._poll_loop, name="libfabric-progress", daemon=True)
+        self._start_poller()
+
+    def _open_endpoint(self) -> Any:
+        ep, err = ffi.new("shim_ep **"), _Errbuf()
+        node = self._node(self.provider, self.config.host)
+        if lib.shim_open(PROVIDERS[self.provider].encode(), node or ffi.NULL, ep, err.buf, 256):
+            raise BackendUnavailable(f"libfabric provider {PROVIDERS[self.provider]} unusable: {err}")
+        # The struct outlives shim_close (a thread still calling in gets -FI_ESHUTDOWN, not
+        # freed memory); it is freed once this backend is unreachable, i.e. no thread of ours
+        # can call in any more.
+        fin = weakref.finalize(self, lib.shim_free, ep[0])
+        fin.atexit = False  # at exit daemon threads may still call in: leak instead
+        return ep[0]
+
+    def _start_poller(self) -> None:
+        self._stop = threading.Event()
+        self._poller = threading.Thread(target=self._poll_loop, args=(self._ep, self._stop),
+                                        name="libfabric-progress", daemon=True)
         self._poller.start()
+
+    def _replace_endpoint(self) -> None:
+        """A poisoned shm endpoint (a peer died with writes in flight) blocks every later
+        write: replace it. Peers are closed (they reconnect and learn our new address from a
+        fresh HELLO), memory is registered again on the new endpoint under the same region
+        ids, and writes are refused until the swap is done."""
+        with self._ep_lock:
+            try:
+                log.warning("libfabric: replacing the endpoint: %s", self._poisoned)
+                for peer in self.peers():
+                    peer.close()
+                old_ep, old_poller = self._ep, self._poller
+                self._stop.set()
+                if threading.current_thread() is not old_poller:
+                    old_poller.join(timeout=2.0)
+                lib.shim_close(old_ep)
+                if self._closed:  # closed meanwhile: nothing to replace it for
+                    self._shim_closed = True
+                    return
+                new_ep = self._open_endpoint()
+                with self._lock:
+                    regions = list(self._regions.values())
+                fresh = {r.id: (r, self._register_on(new_ep, r.addr, r.length)) for r, _ in regions}
+                with self._lock:
+                    self._regions.update(fresh)
+                    self._ep = new_ep
+                self._start_poller()
+                self._poisoned = ""
+                self.endpoints_replaced += 1
+            except Exception:  # noqa: BLE001 - the backend stays poisoned and says why on every write
+                log.exception("libfabric: replacing the endpoint failed")
+            finally:
+                self._healing = False
 
     def _endpoint_info(self) -> dict[str, Any]:
         buf, n, err = ffi.new("char[512]"), ffi.new("size_t *", 512), _Errbuf()
@@ -116,12 +171,17 @@ class LibfabricBackend(TransferBackend):
             raw = base64.b64decode(peer.endpoint["fi_addr"], validate=True)
         except (KeyError, ValueError) as e:
             raise TransferError(f"peer hello has no valid libfabric address: {e}") from e
+        # The shim checks the address against our provider's format (length, terminator,
+        # family) before fi_av_insert reads it: the hello comes from the network.
         out, err = ffi.new("uint64_t *"), _Errbuf()
-        _check(lib.shim_av_insert(self._ep, raw, out, err.buf, 256), err, "fi_av_insert")
+        _check(lib.shim_av_insert(self._ep, raw, len(raw), out, err.buf, 256), err, "fi_av_insert")
         peer.native = int(out[0])
 
     def _native_disconnect(self, peer: Peer) -> None:
         if peer.native is None:
+            return
+        if self._shim_closed:  # the AV went with the endpoint
+            peer.native = None
             return
         # In-flight writes to a dead peer may never complete (shm): the shim frees them
         # when they do, or at close. While any are queued the address must stay in the AV:
@@ -133,8 +193,11 @@ class LibfabricBackend(TransferBackend):
                 self._poisoned = (
                     f"shm endpoint unusable: peer {peer.address} was lost with {pending} batch(es) in flight; "
                     "libfabric shm consumes write responses in order, so the dead peer's never-answered "
-                    "response blocks every later non-inject write (head-of-line). Close this backend and "
-                    "create a new one")
+                    "response blocks every later non-inject write (head-of-line); the endpoint is being "
+                    "replaced")
+                if not self._healing and not self._closed:
+                    self._healing = True
+                    threading.Thread(target=self._replace_endpoint, name="libfabric-replace", daemon=True).start()
         elif self.provider == "shm" and peer.state is PeerState.LOST:
             # A dead shm sender may still have commands in our queue that point into its
             # region: keep it mapped (one AV slot per lost peer, freed at close).
@@ -145,17 +208,31 @@ class LibfabricBackend(TransferBackend):
         peer.native = None
 
     def _native_register(self, addr: int, length: int) -> NativeRegistration:
+        with self._ep_lock:
+            return self._register_on(self._ep, addr, length)
+
+    @staticmethod
+    def _register_on(ep: Any, addr: int, length: int) -> NativeRegistration:
         h, key, base, err = ffi.new("uint64_t *"), ffi.new("uint64_t *"), ffi.new("uint64_t *"), _Errbuf()
-        _check(lib.shim_mr_reg(self._ep, ffi.cast("void *", addr), length, h, key, base, err.buf, 256), err, "fi_mr_reg")
+        _check(lib.shim_mr_reg(ep, ffi.cast("void *", addr), length, h, key, base, err.buf, 256), err, "fi_mr_reg")
         return NativeRegistration(int(h[0]), int(base[0]), int(key[0]))
 
     def _native_deregister(self, reg: NativeRegistration) -> None:
         err = _Errbuf()
-        _check(lib.shim_mr_close(self._ep, reg.handle, err.buf, 256), err, "fi_close(mr)")
+        with self._ep_lock:
+            if self._shim_closed:  # registrations went with the endpoint
+                return
+            _check(lib.shim_mr_close(self._ep, reg.handle, err.buf, 256), err, "fi_close(mr)")
+
+    def _handle(self, region: MemoryRegion) -> int:
+        # Checked before posting, but deregister() may run in between (another thread).
+        entry = self._regions.get(region.id)
+        if entry is None:
+            raise DescriptorError(f"source region {region.id} was deregistered")
+        return entry[1].handle
 
     def _arrays(self, writes: Sequence[PageWrite]) -> tuple:
-        regs = self._regions
-        mr = ffi.new("uint64_t[]", [regs[w.src.id][1].handle for w in writes])
+        mr = ffi.new("uint64_t[]", [self._handle(w.src) for w in writes])
         src = ffi.new("uint64_t[]", [w.src_offset for w in writes])
         raddr = ffi.new("uint64_t[]", [w.dst.descriptor.base + w.dst_offset for w in writes])
         rkey = ffi.new("uint64_t[]", [w.dst.descriptor.key for w in writes])
@@ -180,7 +257,7 @@ class LibfabricBackend(TransferBackend):
     def _native_post_uniform(self, peer: Peer, batch_id: int, src: MemoryRegion, src_offsets: Sequence[int],
                              dst: RemoteRegion, dst_offsets: Sequence[int], length: int, imm: int) -> None:
         n, d = len(src_offsets), dst.descriptor
-        arrays = (ffi.new("uint64_t[]", [self._regions[src.id][1].handle] * n), ffi.new("uint64_t[]", src_offsets),
+        arrays = (ffi.new("uint64_t[]", [self._handle(src)] * n), ffi.new("uint64_t[]", src_offsets),
                   ffi.new("uint64_t[]", [d.base + o for o in dst_offsets] if d.base else dst_offsets),
                   ffi.new("uint64_t[]", [d.key] * n), ffi.new("uint64_t[]", [length] * n))
         self._post_arrays(peer, batch_id, n, arrays, imm)
@@ -196,28 +273,65 @@ class LibfabricBackend(TransferBackend):
             raise TransferError(f"libfabric raw loop: {err}")
         return int(ns), list(lat)
 
-    def _poll_loop(self) -> None:
+    def _poll_loop(self, ep: Any, stop: threading.Event) -> None:
         events = ffi.new("shim_event[]", _EVENTS)
-        while not self._stop.is_set():
-            n = lib.shim_poll(self._ep, events, _EVENTS, _POLL_US)
+        while not stop.is_set():
+            n = lib.shim_poll(ep, events, _EVENTS, _POLL_US)
+            if n < 0:  # the endpoint was closed under us (close from a callback, or racing)
+                return
             for i in range(n):
-                ev = events[i]
-                if ev.kind == 1:
-                    msg = None if ev.status == 0 else f"{ffi.string(ev.msg).decode(errors='replace')} ({ev.count} writes failed)"
-                    self._complete_batch(int(ev.id), msg)
-                elif ev.kind == 2:
-                    self._tracker.add(int(ev.tag), int(ev.count))
-                else:
-                    self._async_error = ffi.string(ev.msg).decode(errors="replace")
+                # Whatever one event does (a user callback, a bug of ours), the thread must
+                # survive it: it is the only one that completes this backend's transfers.
+                try:
+                    self._handle_event(events[i])
+                except Exception as e:  # noqa: BLE001
+                    log.exception("libfabric progress: handling event kind %d failed", events[i].kind)
+                    if events[i].kind == _EV_BATCH:  # fail it rather than leave it pending
+                        self._complete_batch(int(events[i].id), f"libfabric completion handling failed: {e!r}")
+
+    def _handle_event(self, ev: Any) -> None:
+        if ev.kind == _EV_BATCH:
+            msg = None if ev.status == 0 else f"{ffi.string(ev.msg).decode(errors='replace')} ({ev.count} writes failed)"
+            self._complete_batch(int(ev.id), msg)
+        elif ev.kind == _EV_IMM:
+            self._tracker.add(int(ev.tag), int(ev.count))
+        elif ev.kind == _EV_TAG_FAILED:
+            # A write carrying this immediate failed on our side: its request cannot complete.
+            text = ffi.string(ev.msg).decode(errors="replace")
+            log.warning("libfabric: %s (tag %d)", text, ev.tag)
+            self._tracker.retire(int(ev.tag), f"libfabric {self.provider}: {text}")
+        else:
+            # An error completion that names no batch or tag of ours (provider-internal or
+            # target-side): logged, counted, and quoted by expectations that then time out.
+            text = f"libfabric {self.provider}: {ffi.string(ev.msg).decode(errors='replace')}"
+            log.warning("%s", text)
+            self._async_error = text
+            self._async_errors += 1
+            self._tracker.transport_error(text)
+
+    def _native_expire(self, batch_id: int) -> None:
+        if not self._shim_closed:
+            lib.shim_abandon_batch(self._ep, batch_id)
 
     def _native_stats(self) -> dict[str, int]:
-        if self._ep == ffi.NULL:  # closed: the shim endpoint is freed
-            return {"native_batches": 0, "stale_addresses": 0, "poisoned": 0}
+        # after close the shim answers 0 live batches
         return {"native_batches": int(lib.shim_live_batches(self._ep)), "stale_addresses": self._stale_addrs,
-                "poisoned": int(bool(self._poisoned))}
+                "poisoned": int(bool(self._poisoned)), "async_errors": self._async_errors,
+                "endpoints_replaced": self.endpoints_replaced}
 
     def _native_close(self) -> None:
+        with self._ep_lock:  # never while the endpoint is being replaced
+            if self._shim_closed:
+                return
+            self._close_endpoint()
+
+    def _close_endpoint(self) -> None:
         self._stop.set()
-        self._poller.join(timeout=2.0)
+        # The poller may be inside a completion callback that blocks, or be the very thread
+        # closing us (close from a callback): never wait for it unboundedly. That is safe
+        # because shim_close waits for every thread inside the shim (poller, writers parked
+        # in shim_post) to leave, and the struct stays valid until the finalizer frees it.
+        if threading.current_thread() is not self._poller:
+            self._poller.join(timeout=2.0)
+        self._shim_closed = True
         lib.shim_close(self._ep)
-        self._ep = ffi.NULL

@@ -3,7 +3,12 @@
  * ask for FI_THREAD_DOMAIN (cheapest) while Python posts and polls from two threads.
  * Progress: manual-progress providers (shm, tcp;ofi_rxm) only move data when the
  * CQ is read, so posting drains the CQ on -FI_EAGAIN, and idle polling yields:
- * on 2 vCPUs a spinning poller starves the peer's progress. */
+ * on 2 vCPUs a spinning poller starves the peer's progress.
+ * Lifetime: every entry point enters/leaves under the lock and counts itself in `users`;
+ * shim_close marks the endpoint closing, waits until no caller is inside (a writer parked in
+ * shim_post's back-off, the poller), then closes the fids. The struct itself (and its mutex)
+ * stays valid until shim_free, so a Python thread that calls in after close gets a clean
+ * -FI_ESHUTDOWN instead of touching freed memory. */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
@@ -15,6 +20,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <rdma/fabric.h>
 #include <rdma/fi_cm.h>
 #include <rdma/fi_domain.h>
@@ -27,11 +34,15 @@
 #define N_RECV 256
 #define CQ_BATCH 64
 #define POST_STALL_NS (10LL * 1000000000LL)
+/* MR handles handed to Python: slot | generation << 32, so a handle kept past its
+ * deregistration never resolves to a later registration that reused the slot. */
+#define MR_SLOT(h) ((size_t)((h) & 0xffffffffu))
+#define MR_GEN(h) ((uint32_t)((h) >> 32))
 
 enum { OP_WRITE = 1, OP_RECV = 2 };
 
 struct shim_batch;
-struct shim_op { struct fi_context2 ctx; struct shim_batch *b; int kind; };
+struct shim_op { struct fi_context2 ctx; struct shim_batch *b; int kind; int unposted; };
 
 struct shim_batch {
     struct shim_batch *next, *prev;
@@ -43,10 +54,19 @@ struct shim_batch {
 };
 
 struct imm_count { uint32_t tag; uint64_t count; };
-struct mr_slot { struct fid_mr *mr; void *buf; size_t len; void *desc; };
+/* A target-side error completion that carries our immediate: the request it belongs to
+ * can be failed at once instead of at its deadline. */
+struct tag_err { uint32_t tag; int status; char msg[192]; };
+struct mr_slot { struct fid_mr *mr; void *buf; size_t len; void *desc; uint32_t gen; };
 
 struct shim_ep {
     pthread_mutex_t lock;
+    pthread_cond_t idle;             /* signalled when `users` drops to 0 while closing */
+    int users, closing, closed;
+    size_t addrlen;                  /* length of our own address */
+    uint32_t addr_format;            /* FI_ADDR_STR, FI_SOCKADDR_IN, ...: what a peer's must be */
+    char scheme[32];                 /* FI_ADDR_STR: our "fi_xxx://" prefix */
+    int n_unposted;                  /* receives whose re-post failed; retried on every drain */
     struct fi_info *info;
     struct fid_fabric *fabric;
     struct fid_domain *domain;
@@ -63,6 +83,7 @@ struct shim_ep {
     char async_msg[192]; int async_status;
     int64_t last_activity;           /* ns; last post or completion, drives idle back-off */
     uint64_t *dead; size_t n_dead, cap_dead;  /* abandoned peers: posts to them are refused */
+    struct tag_err *tag_errs; size_t n_tag_errs, cap_tag_errs;  /* failed remote writes, by tag */
 };
 
 static int is_dead(shim_ep *e, uint64_t peer) {
@@ -80,6 +101,23 @@ static int64_t now_ns(void) {
 }
 
 static void touch(shim_ep *e) { __atomic_store_n(&e->last_activity, now_ns(), __ATOMIC_RELAXED); }
+
+/* Lock and count the caller in, unless the endpoint is closing: then nothing is locked. */
+static int enter(shim_ep *e, char *err, size_t errlen) {
+    pthread_mutex_lock(&e->lock);
+    if (e->closing) {
+        pthread_mutex_unlock(&e->lock);
+        set_err(err, errlen, "endpoint closed", -FI_ESHUTDOWN);
+        return -FI_ESHUTDOWN;
+    }
+    e->users++;
+    return 0;
+}
+
+static void leave(shim_ep *e) {
+    if (--e->users == 0 && e->closing) pthread_cond_broadcast(&e->idle);
+    pthread_mutex_unlock(&e->lock);
+}
 
 static void list_del(struct shim_batch *b) { b->prev->next = b->next; b->next->prev = b->prev; }
 
@@ -102,9 +140,46 @@ static void count_imm(shim_ep *e, uint32_t tag) {
     e->imms[e->n_imms].tag = tag; e->imms[e->n_imms].count = 1; e->n_imms++;
 }
 
-static void post_recv(shim_ep *e, struct shim_op *op) {
+static void set_async(shim_ep *e, int status, const char *fmt, const char *a, const char *b) {
+    if (e->async_status) return;  /* the first one explains; later ones are usually its echo */
+    e->async_status = status ? status : FI_EOTHER;
+    snprintf(e->async_msg, sizeof e->async_msg, fmt, a, b);
+}
+
+static void tag_failed(shim_ep *e, uint32_t tag, int status, const char *prov) {
+    if (e->n_tag_errs == e->cap_tag_errs) {
+        size_t cap = e->cap_tag_errs ? 2 * e->cap_tag_errs : 16;
+        struct tag_err *p = realloc(e->tag_errs, cap * sizeof *p);
+        if (!p) {  /* still surfaced, without the tag: its expectation fails at the deadline */
+            set_async(e, status, "remote write failed: %s (%s)", fi_strerror(status), prov);
+            return;
+        }
+        e->tag_errs = p; e->cap_tag_errs = cap;
+    }
+    struct tag_err *t = &e->tag_errs[e->n_tag_errs++];
+    t->tag = tag; t->status = status ? status : FI_EOTHER;
+    snprintf(t->msg, sizeof t->msg, "remote write failed: %s (%s)", fi_strerror(t->status), prov);
+}
+
+/* Returns libfabric's status. -FI_EAGAIN (receive queue momentarily full) leaves the
+ * receive to be re-posted by the next drain; anything else is reported to Python. */
+static int post_recv(shim_ep *e, struct shim_op *op) {
     op->kind = OP_RECV; op->b = NULL;
-    fi_recv(e->ep, NULL, 0, NULL, FI_ADDR_UNSPEC, &op->ctx);
+    ssize_t ret = fi_recv(e->ep, NULL, 0, NULL, FI_ADDR_UNSPEC, &op->ctx);
+    if (ret == 0) {
+        if (op->unposted) { op->unposted = 0; e->n_unposted--; }
+        return 0;
+    }
+    if (!op->unposted) { op->unposted = 1; e->n_unposted++; }
+    if (ret != -FI_EAGAIN)
+        set_async(e, (int)-ret, "fi_recv (re-posting a receive for remote CQ data): %s%s",
+                  fi_strerror((int)-ret), "");
+    return (int)ret;
+}
+
+static void repost_recvs(shim_ep *e) {
+    for (int i = 0; i < N_RECV && e->n_unposted; i++)
+        if (e->recv_ops[i].unposted && post_recv(e, &e->recv_ops[i]) == -FI_EAGAIN) return;
 }
 
 static int is_recv_op(shim_ep *e, const struct shim_op *op) {
@@ -115,43 +190,47 @@ static int is_recv_op(shim_ep *e, const struct shim_op *op) {
 static int drain(shim_ep *e) {
     struct fi_cq_data_entry ent[CQ_BATCH];
     int total = 0;
+    if (e->n_unposted) repost_recvs(e);
     for (;;) {
         ssize_t n = fi_cq_read(e->cq, ent, CQ_BATCH);
         if (n == -FI_EAGAIN) return total;
         if (n == -FI_EAVAIL) {
             struct fi_cq_err_entry ee; memset(&ee, 0, sizeof ee);
-            if (fi_cq_readerr(e->cq, &ee, 0) <= 0) return total;
+            ssize_t r = fi_cq_readerr(e->cq, &ee, 0);
+            if (r <= 0) {  /* EAVAIL but no entry to read: surface it rather than spin on it */
+                if (r < 0 && r != -FI_EAGAIN)
+                    set_async(e, (int)-r, "fi_cq_readerr: %s%s", fi_strerror((int)-r), "");
+                return total;
+            }
             /* Target-side events (remote write, CQ data) carry no context of ours unless it
              * consumed one of our posted receives: never dereference theirs. */
             struct shim_op *op = ee.op_context;
-            if (!is_recv_op(e, op) && (ee.flags & (FI_REMOTE_WRITE | FI_REMOTE_CQ_DATA | FI_RECV)))
-                op = NULL;
+            int remote = (ee.flags & (FI_REMOTE_WRITE | FI_REMOTE_CQ_DATA | FI_RECV)) != 0;
+            if (!is_recv_op(e, op) && remote) op = NULL;
             char prov[128]; prov[0] = 0;
             fi_cq_strerror(e->cq, ee.prov_errno, ee.err_data, prov, sizeof prov);
+            int status = ee.err ? ee.err : FI_EOTHER;
             if (op && op->kind == OP_WRITE) {
                 struct shim_batch *b = op->b;
                 if (!b->status) {
-                    b->status = ee.err ? ee.err : FI_EOTHER;
+                    b->status = status;
                     snprintf(b->msg, sizeof b->msg, "fi_writedata completion: %s (%s)",
                              fi_strerror(b->status), prov);
                 }
                 b->failed++;
                 if (--b->remaining == 0) batch_finished(e, b);
-            } else if (op && op->kind == OP_RECV) {
-                if (ee.err != FI_ECANCELED) post_recv(e, op);
-            } else if (!e->async_status) {
-                e->async_status = ee.err ? ee.err : FI_EOTHER;
-                snprintf(e->async_msg, sizeof e->async_msg, "cq error: %s (%s)",
-                         fi_strerror(e->async_status), prov);
+            } else {
+                if (op && op->kind == OP_RECV && ee.err != FI_ECANCELED) post_recv(e, op);
+                if (ee.flags & FI_REMOTE_CQ_DATA)   /* the immediate names the request */
+                    tag_failed(e, (uint32_t)ee.data, status, prov);
+                else if (!(op && ee.err == FI_ECANCELED))
+                    set_async(e, status, "cq error: %s (%s)", fi_strerror(status), prov);
             }
             total++;
             continue;
         }
         if (n < 0) {
-            if (!e->async_status) {
-                e->async_status = (int)-n;
-                snprintf(e->async_msg, sizeof e->async_msg, "fi_cq_read: %s", fi_strerror((int)-n));
-            }
+            set_async(e, (int)-n, "fi_cq_read: %s%s", fi_strerror((int)-n), "");
             return total;
         }
         for (ssize_t i = 0; i < n; i++) {
@@ -187,12 +266,23 @@ static void idle_wait(shim_ep *e) {
     nanosleep(&ts, NULL);
 }
 
+static void close_fids(shim_ep *e);
+
+/* Frees the struct; only for an endpoint nobody else can reach (failed open, shim_free). */
+static void destroy(shim_ep *e) {
+    free(e->mrs); free(e->imms); free(e->dead); free(e->tag_errs);
+    pthread_cond_destroy(&e->idle);
+    pthread_mutex_destroy(&e->lock);
+    free(e);
+}
+
 int shim_open(const char *prov, const char *node, shim_ep **out, char *err, size_t errlen) {
     shim_ep *e = calloc(1, sizeof *e);
     struct fi_info *hints = fi_allocinfo();
     int ret;
-    if (!e || !hints) { set_err(err, errlen, "alloc", -FI_ENOMEM); free(e); return -FI_ENOMEM; }
+    if (!e || !hints) { set_err(err, errlen, "alloc", -FI_ENOMEM); free(e); fi_freeinfo(hints); return -FI_ENOMEM; }
     pthread_mutex_init(&e->lock, NULL);
+    pthread_cond_init(&e->idle, NULL);
     e->live.next = e->live.prev = &e->live;
     e->next_key = 1;
     hints->caps = FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_MSG;
@@ -204,7 +294,7 @@ int shim_open(const char *prov, const char *node, shim_ep **out, char *err, size
     hints->fabric_attr->prov_name = strdup(prov);
     ret = fi_getinfo(FI_VERSION(1, 17), node, NULL, node ? FI_SOURCE : 0, hints, &e->info);
     fi_freeinfo(hints);
-    if (ret) { set_err(err, errlen, "fi_getinfo", ret); free(e); return ret; }
+    if (ret) { set_err(err, errlen, "fi_getinfo", ret); destroy(e); return ret; }
     struct fi_info *fi = e->info;
     if (fi->domain_attr->cq_data_size < 4) {  /* the tag must travel whole */
         ret = -FI_ENOSYS;
@@ -222,6 +312,18 @@ int shim_open(const char *prov, const char *node, shim_ep **out, char *err, size
     if ((ret = fi_ep_bind(e->ep, &e->av->fid, 0))) { set_err(err, errlen, "fi_ep_bind(av)", ret); goto fail; }
     if ((ret = fi_ep_bind(e->ep, &e->cq->fid, FI_TRANSMIT | FI_RECV))) { set_err(err, errlen, "fi_ep_bind(cq)", ret); goto fail; }
     if ((ret = fi_enable(e->ep))) { set_err(err, errlen, "fi_enable", ret); goto fail; }
+    /* Our own address length is the only length a peer of the same provider can have:
+     * fi_av_insert reads exactly that many bytes from whatever a peer sent. */
+    {
+        char name[512]; size_t len = sizeof name;
+        if ((ret = fi_getname(&e->ep->fid, name, &len))) { set_err(err, errlen, "fi_getname", ret); goto fail; }
+        e->addrlen = len;
+        e->addr_format = fi->addr_format;
+        if (fi->addr_format == FI_ADDR_STR) {
+            const char *sep = memchr(name, ':', len < sizeof e->scheme ? len : sizeof e->scheme - 1);
+            if (sep) memcpy(e->scheme, name, (size_t)(sep - name));
+        }
+    }
     shim_info *si = &e->si;
     snprintf(si->prov, sizeof si->prov, "%s", fi->fabric_attr->prov_name);
     snprintf(si->fabric, sizeof si->fabric, "%s", fi->fabric_attr->name ? fi->fabric_attr->name : "");
@@ -236,30 +338,75 @@ int shim_open(const char *prov, const char *node, shim_ep **out, char *err, size
     si->mr_local = !!(fi->domain_attr->mr_mode & FI_MR_LOCAL);
     si->rx_cq_data = !!(fi->mode & FI_RX_CQ_DATA);
     if (si->rx_cq_data)
-        for (int i = 0; i < N_RECV; i++) post_recv(e, &e->recv_ops[i]);
+        for (int i = 0; i < N_RECV; i++)
+            if ((ret = post_recv(e, &e->recv_ops[i]))) {
+                /* a receive queue smaller than N_RECV: run with what it took */
+                if (ret == -FI_EAGAIN && i > 0) { e->recv_ops[i].unposted = 0; e->n_unposted = 0; break; }
+                set_err(err, errlen, "fi_recv", ret); goto fail;
+            }
     *out = e;
     return 0;
 fail:
-    shim_close(e);
+    close_fids(e);
+    destroy(e);
     return ret;
 }
 
 int shim_get_info(shim_ep *e, shim_info *info) { *info = e->si; return 0; }
 
 int shim_getname(shim_ep *e, void *buf, size_t *len, char *err, size_t errlen) {
-    int ret = fi_getname(&e->ep->fid, buf, len);
+    int ret = enter(e, err, errlen);
+    if (ret) return ret;
+    ret = fi_getname(&e->ep->fid, buf, len);
+    leave(e);
     if (ret) set_err(err, errlen, "fi_getname", ret);
     return ret;
 }
 
-int shim_av_insert(shim_ep *e, const void *addr, uint64_t *fi_addr, char *err, size_t errlen) {
+/* A peer's address comes from its hello, i.e. from the network: check it is one our
+ * provider can parse before fi_av_insert reads it (it reads as many bytes as its own
+ * format implies, whatever we were sent). Returns 0 or -FI_EINVAL with `err` set. */
+static int check_peer_addr(shim_ep *e, const unsigned char *a, size_t n, char *err, size_t errlen) {
+    const char *why = NULL;
+    size_t want = e->addrlen;
+    switch (e->addr_format) {
+    case FI_ADDR_STR:  /* "fi_shm://pid:..": NUL-terminated, variable length, our scheme */
+        if (n < 2 || n > 256 || a[n - 1] != 0 || strlen((const char *)a) != n - 1)
+            why = "is not a NUL-terminated address string of at most 256 bytes";
+        else if (e->scheme[0] && strncmp((const char *)a, e->scheme, strlen(e->scheme)))
+            why = "names another provider's scheme";
+        break;
+    case FI_SOCKADDR: case FI_SOCKADDR_IN: case FI_SOCKADDR_IN6: {
+        sa_family_t fam = 0;
+        if (n >= sizeof fam) memcpy(&fam, a, sizeof fam);
+        want = fam == AF_INET ? sizeof(struct sockaddr_in) : fam == AF_INET6 ? sizeof(struct sockaddr_in6) : 0;
+        if (!want || (e->addr_format == FI_SOCKADDR_IN && fam != AF_INET) ||
+            (e->addr_format == FI_SOCKADDR_IN6 && fam != AF_INET6))
+            why = "has an address family this provider does not use";
+        else if (n != want)
+            why = "has the wrong length for its address family";
+        break;
+    }
+    default:           /* fixed-size provider formats (EFA, IB, ...): exactly our length */
+        if (n != e->addrlen) why = "has the wrong length for this provider";
+    }
+    if (!why) return 0;
+    if (err && errlen)
+        snprintf(err, errlen, "peer address (%zu bytes) %s (%s addresses: format %u, ours %zu bytes); "
+                 "different provider or corrupt hello", n, why, e->si.prov, e->addr_format, want);
+    return -FI_EINVAL;
+}
+
+int shim_av_insert(shim_ep *e, const void *addr, size_t addrlen, uint64_t *fi_addr, char *err, size_t errlen) {
     fi_addr_t a = FI_ADDR_NOTAVAIL;
-    pthread_mutex_lock(&e->lock);
-    int ret = fi_av_insert(e->av, addr, 1, &a, 0, NULL);
+    int ret = check_peer_addr(e, addr, addrlen, err, errlen);
+    if (ret) return ret;
+    if ((ret = enter(e, err, errlen))) return ret;
+    ret = fi_av_insert(e->av, addr, 1, &a, 0, NULL);
     if (ret == 1)  /* an AV slot freed by fi_av_remove may come back for a new peer */
         for (size_t i = 0; i < e->n_dead; i++)
             if (e->dead[i] == a) e->dead[i] = e->dead[--e->n_dead];
-    pthread_mutex_unlock(&e->lock);
+    leave(e);
     if (ret != 1) {
         set_err(err, errlen, "fi_av_insert", ret < 0 ? ret : -FI_EADDRNOTAVAIL);
         return ret < 0 ? ret : -FI_EADDRNOTAVAIL;
@@ -270,9 +417,10 @@ int shim_av_insert(shim_ep *e, const void *addr, uint64_t *fi_addr, char *err, s
 
 int shim_av_remove(shim_ep *e, uint64_t fi_addr, char *err, size_t errlen) {
     fi_addr_t a = fi_addr;
-    pthread_mutex_lock(&e->lock);
-    int ret = fi_av_remove(e->av, &a, 1, 0);
-    pthread_mutex_unlock(&e->lock);
+    int ret = enter(e, err, errlen);
+    if (ret) return ret;
+    ret = fi_av_remove(e->av, &a, 1, 0);
+    leave(e);
     if (ret) set_err(err, errlen, "fi_av_remove", ret);
     return ret;
 }
@@ -280,8 +428,8 @@ int shim_av_remove(shim_ep *e, uint64_t fi_addr, char *err, size_t errlen) {
 int shim_mr_reg(shim_ep *e, void *buf, size_t len, uint64_t *handle, uint64_t *key,
                 uint64_t *base, char *err, size_t errlen) {
     struct fid_mr *mr = NULL;
-    int ret;
-    pthread_mutex_lock(&e->lock);
+    int ret = enter(e, err, errlen);
+    if (ret) return ret;
     uint64_t want = e->si.prov_key ? 0 : e->next_key++;
     ret = fi_mr_reg(e->domain, buf, len, FI_WRITE | FI_REMOTE_WRITE, 0, want, 0, &mr, NULL);
     if (ret) { set_err(err, errlen, "fi_mr_reg", ret); goto out; }
@@ -295,30 +443,42 @@ int shim_mr_reg(shim_ep *e, void *buf, size_t len, uint64_t *handle, uint64_t *k
     if (slot == e->n_mrs) {
         struct mr_slot *p = realloc(e->mrs, (e->n_mrs + 1) * sizeof *p);
         if (!p) { ret = -FI_ENOMEM; set_err(err, errlen, "alloc", ret); fi_close(&mr->fid); goto out; }
-        e->mrs = p; e->n_mrs++;
+        e->mrs = p; e->mrs[e->n_mrs].gen = 0; e->n_mrs++;
     }
-    e->mrs[slot] = (struct mr_slot){ mr, buf, len, fi_mr_desc(mr) };
-    *handle = slot;
+    uint32_t gen = e->mrs[slot].gen;
+    e->mrs[slot] = (struct mr_slot){ mr, buf, len, fi_mr_desc(mr), gen };
+    *handle = (uint64_t)slot | ((uint64_t)gen << 32);
     *key = fi_mr_key(mr);
     *base = e->si.virt_addr ? (uint64_t)(uintptr_t)buf : 0;
 out:
-    pthread_mutex_unlock(&e->lock);
+    leave(e);
     return ret;
+}
+
+static struct mr_slot *mr_lookup(shim_ep *e, uint64_t handle) {
+    size_t slot = MR_SLOT(handle);
+    if (slot >= e->n_mrs || !e->mrs[slot].mr || e->mrs[slot].gen != MR_GEN(handle)) return NULL;
+    return &e->mrs[slot];
 }
 
 int shim_mr_close(shim_ep *e, uint64_t handle, char *err, size_t errlen) {
-    int ret = -FI_EINVAL;
-    pthread_mutex_lock(&e->lock);
-    if (handle < e->n_mrs && e->mrs[handle].mr) {
-        ret = fi_close(&e->mrs[handle].mr->fid);
-        e->mrs[handle].mr = NULL;
+    int ret = enter(e, err, errlen);
+    if (ret) return ret;
+    struct mr_slot *s = mr_lookup(e, handle);
+    if (s) {
+        ret = fi_close(&s->mr->fid);
+        s->mr = NULL;
+        s->gen++;   /* stale handles (a batch built before this) no longer resolve */
+        if (ret) set_err(err, errlen, "fi_close(mr)", ret);
+    } else {
+        ret = -FI_EINVAL;
+        set_err(err, errlen, "fi_close(mr): no such registration", ret);
     }
-    pthread_mutex_unlock(&e->lock);
-    if (ret) set_err(err, errlen, "fi_close(mr)", ret);
+    leave(e);
     return ret;
 }
 
-/* Caller holds the lock. */
+/* Caller is inside (enter). Returns 0 or a negative libfabric status with `err` set. */
 static int post_locked(shim_ep *e, struct shim_batch *b, size_t n, const uint64_t *mr,
                        const uint64_t *src_off, const uint64_t *raddr, const uint64_t *rkey,
                        const uint64_t *len, uint32_t imm, char *err, size_t errlen) {
@@ -326,40 +486,57 @@ static int post_locked(shim_ep *e, struct shim_batch *b, size_t n, const uint64_
     touch(e);
     b->next = e->live.next; b->prev = &e->live; e->live.next->prev = b; e->live.next = b;
     for (size_t i = 0; i < n; i++) {
-        struct mr_slot *s = mr[i] < e->n_mrs ? &e->mrs[mr[i]] : NULL;
-        if (!s || !s->mr || src_off[i] + len[i] > s->len) {
-            set_err(err, errlen, "shim_post: local range outside its region", -FI_EINVAL);
-            b->remaining -= n - i;
-            if (b->remaining == 0) { list_del(b); free(b); }
-            else { b->internal = 0; b->abandoned = 1; }
-            return -FI_EINVAL;
+        struct mr_slot *s = mr_lookup(e, mr[i]);
+        int ret = 0;
+        if (!s) {
+            ret = -FI_EINVAL;
+            set_err(err, errlen, "shim_post: source region was deregistered", ret);
+        } else if (src_off[i] + len[i] > s->len || src_off[i] + len[i] < src_off[i]) {
+            ret = -FI_EINVAL;
+            set_err(err, errlen, "shim_post: local range outside its region", ret);
         }
         struct shim_op *op = &b->ops[i];
         op->b = b; op->kind = OP_WRITE;
         int64_t stalled_since = 0;
-        for (;;) {
-            ssize_t ret = fi_writedata(e->ep, (char *)s->buf + src_off[i], len[i], s->desc,
-                                       imm, b->peer, raddr[i], rkey[i], &op->ctx);
-            if (ret == 0) break;
+        while (!ret) {
+            ssize_t r = fi_writedata(e->ep, (char *)s->buf + src_off[i], len[i], s->desc,
+                                     imm, b->peer, raddr[i], rkey[i], &op->ctx);
+            if (r == 0) break;
             /* A queue that stays full means the peer stopped answering: give up when
              * Python abandoned the peer (control channel EOF) or after POST_STALL_NS. */
-            if (ret == -FI_EAGAIN && (b->abandoned ||
+            if (r == -FI_EAGAIN && (b->abandoned ||
                 (stalled_since && now_ns() - stalled_since > POST_STALL_NS)))
-                ret = b->abandoned ? -FI_ECONNRESET : -FI_ETIMEDOUT;
-            if (ret != -FI_EAGAIN) {
+                r = b->abandoned ? -FI_ECONNRESET : -FI_ETIMEDOUT;
+            if (r != -FI_EAGAIN) {
                 set_err(err, errlen, b->abandoned ? "fi_writedata (peer lost while the queue was full)"
-                                                  : "fi_writedata", (int)ret);
-                b->remaining -= n - i;
-                if (b->remaining == 0) { list_del(b); free(b); }
-                else { b->internal = 0; b->abandoned = 1; }
-                return (int)ret;
+                                                  : "fi_writedata", (int)r);
+                ret = (int)r;
+                break;
             }
             if (drain(e) == 0) {  /* queue full and nothing completed: let the peer run */
                 if (!stalled_since) stalled_since = now_ns();
                 pthread_mutex_unlock(&e->lock); idle_wait(e); pthread_mutex_lock(&e->lock);
+                /* close() waits for us (we are counted in `users`), but must not wait
+                 * out POST_STALL_NS: stop posting and let it proceed. */
+                if (e->closing) {
+                    ret = -FI_ECANCELED;
+                    set_err(err, errlen, "fi_writedata: endpoint closed while the queue was full", ret);
+                }
+                /* a region deregistered while we were unlocked must not be read from */
+                else if (!(s = mr_lookup(e, mr[i]))) {
+                    ret = -FI_EINVAL;
+                    set_err(err, errlen, "shim_post: source region was deregistered", ret);
+                }
             } else {
                 stalled_since = 0;
             }
+        }
+        if (ret) {
+            /* ops 0..i-1 are with the provider: their completions free the batch, silently */
+            b->remaining -= n - i;
+            if (b->remaining == 0) { list_del(b); free(b); }
+            else { b->internal = 0; b->abandoned = 1; }
+            return ret;
         }
     }
     return 0;
@@ -376,16 +553,17 @@ int shim_post(shim_ep *e, uint64_t batch_id, uint64_t peer, size_t n,
               const uint64_t *rkey, const uint64_t *len, uint32_t imm, char *err, size_t errlen) {
     struct shim_batch *b = new_batch(batch_id, peer, n);
     if (!b) { set_err(err, errlen, "alloc", -FI_ENOMEM); return -FI_ENOMEM; }
-    pthread_mutex_lock(&e->lock);
+    int ret = enter(e, err, errlen);
+    if (ret) { free(b); return ret; }
     if (is_dead(e, peer)) {  /* lost between Python's check and here: post nothing */
-        pthread_mutex_unlock(&e->lock);
+        leave(e);
         free(b);
         set_err(err, errlen, "shim_post: peer was lost", -FI_ECONNRESET);
         return -FI_ECONNRESET;
     }
-    int ret = n ? post_locked(e, b, n, mr, src_off, raddr, rkey, len, imm, err, errlen) : 0;
+    ret = n ? post_locked(e, b, n, mr, src_off, raddr, rkey, len, imm, err, errlen) : 0;
     if (n == 0) { b->next = e->done_head; e->done_head = b; }
-    pthread_mutex_unlock(&e->lock);
+    leave(e);
     return ret;
 }
 
@@ -406,6 +584,13 @@ static int collect(shim_ep *e, shim_event *ev, int cap) {
         memset(v, 0, sizeof *v);
         v->kind = 2; v->tag = c->tag; v->count = c->count;
     }
+    while (k < cap && e->n_tag_errs) {
+        struct tag_err *t = &e->tag_errs[--e->n_tag_errs];
+        shim_event *v = &ev[k++];
+        memset(v, 0, sizeof *v);
+        v->kind = 4; v->tag = t->tag; v->status = t->status;
+        memcpy(v->msg, t->msg, sizeof v->msg);
+    }
     if (k < cap && e->async_status) {
         shim_event *v = &ev[k++];
         memset(v, 0, sizeof *v);
@@ -419,10 +604,10 @@ static int collect(shim_ep *e, shim_event *ev, int cap) {
 int shim_poll(shim_ep *e, shim_event *ev, int cap, int timeout_us) {
     int64_t end = now_ns() + (int64_t)timeout_us * 1000;
     for (;;) {
-        pthread_mutex_lock(&e->lock);
+        if (enter(e, NULL, 0)) return -FI_ESHUTDOWN;
         int got = drain(e);
         int k = collect(e, ev, cap);
-        pthread_mutex_unlock(&e->lock);
+        leave(e);
         if (k) return k;
         if (now_ns() >= end) return 0;
         if (!got) idle_wait(e);
@@ -431,7 +616,7 @@ int shim_poll(shim_ep *e, shim_event *ev, int cap, int timeout_us) {
 
 int shim_abandon_peer(shim_ep *e, uint64_t peer) {
     int k = 0;
-    pthread_mutex_lock(&e->lock);
+    if (enter(e, NULL, 0)) return 0;
     if (!is_dead(e, peer)) {
         if (e->n_dead == e->cap_dead) {
             size_t cap = e->cap_dead ? 2 * e->cap_dead : 16;
@@ -442,16 +627,29 @@ int shim_abandon_peer(shim_ep *e, uint64_t peer) {
     }
     for (struct shim_batch *b = e->live.next; b != &e->live; b = b->next)
         if (b->peer == peer && !b->abandoned) { b->abandoned = 1; k++; }
-    pthread_mutex_unlock(&e->lock);
+    leave(e);
+    return k;
+}
+
+int shim_abandon_batch(shim_ep *e, uint64_t batch_id) {
+    int k = 0;
+    if (enter(e, NULL, 0)) return 0;
+    /* Its writes still belong to the provider (their contexts live in the batch), so it
+     * cannot be freed now: mark it to be freed, unreported, when the last one completes. */
+    for (struct shim_batch *b = e->live.next; b != &e->live; b = b->next)
+        if (b->id == batch_id && !b->internal && !b->abandoned) { b->abandoned = 1; k = 1; break; }
+    for (struct shim_batch **pp = &e->done_head; *pp; pp = &(*pp)->next)
+        if ((*pp)->id == batch_id) { struct shim_batch *b = *pp; *pp = b->next; free(b); k = 1; break; }
+    leave(e);
     return k;
 }
 
 int shim_live_batches(shim_ep *e) {
     int k = 0;
-    pthread_mutex_lock(&e->lock);
+    if (enter(e, NULL, 0)) return 0;
     for (struct shim_batch *b = e->live.next; b != &e->live; b = b->next) k++;
     for (struct shim_batch *b = e->done_head; b; b = b->next) k++;
-    pthread_mutex_unlock(&e->lock);
+    leave(e);
     return k;
 }
 
@@ -465,37 +663,58 @@ int64_t shim_bench(shim_ep *e, uint64_t peer, size_t n, const uint64_t *mr,
         struct shim_batch *b = new_batch(0, peer, n);
         if (!b) { set_err(err, errlen, "alloc", -FI_ENOMEM); return -FI_ENOMEM; }
         b->internal = 1;  /* never reported to Python; freed here */
-        pthread_mutex_lock(&e->lock);
-        int ret = post_locked(e, b, n, mr, src_off, raddr, rkey, len, imm, err, errlen);
-        if (ret) { pthread_mutex_unlock(&e->lock); return ret; }
-        while (b->remaining) {
+        int ret = enter(e, err, errlen);
+        if (ret) { free(b); return ret; }
+        ret = post_locked(e, b, n, mr, src_off, raddr, rkey, len, imm, err, errlen);
+        if (ret) { leave(e); return ret; }
+        while (b->remaining && !e->closing) {
             if (drain(e) == 0) { pthread_mutex_unlock(&e->lock); idle_wait(e); pthread_mutex_lock(&e->lock); }
+        }
+        if (b->remaining) {  /* closing: the provider still owns its ops; close frees it */
+            b->internal = 0; b->abandoned = 1;
+            leave(e);
+            set_err(err, errlen, "shim_bench: endpoint closed", -FI_ECANCELED);
+            return -FI_ECANCELED;
         }
         int status = b->status;
         if (status) snprintf(err, errlen, "%s", b->msg);
         free(b);
-        pthread_mutex_unlock(&e->lock);
+        leave(e);
         if (status) return -status;
         if (lat_ns) lat_ns[it] = now_ns() - t1;
     }
     return now_ns() - t0;
 }
 
-void shim_close(shim_ep *e) {
-    if (!e) return;
-    pthread_mutex_lock(&e->lock);
-    for (size_t i = 0; i < e->n_mrs; i++) if (e->mrs[i].mr) fi_close(&e->mrs[i].mr->fid);
+/* Caller holds the lock (or owns `e` alone) and nobody else is inside. */
+static void close_fids(shim_ep *e) {
+    for (size_t i = 0; i < e->n_mrs; i++) if (e->mrs[i].mr) { fi_close(&e->mrs[i].mr->fid); e->mrs[i].mr = NULL; }
     if (e->ep) fi_close(&e->ep->fid);
     if (e->av) fi_close(&e->av->fid);
     if (e->cq) fi_close(&e->cq->fid);
     if (e->domain) fi_close(&e->domain->fid);
     if (e->fabric) fi_close(&e->fabric->fid);
     if (e->info) fi_freeinfo(e->info);
+    e->ep = NULL; e->av = NULL; e->cq = NULL; e->domain = NULL; e->fabric = NULL; e->info = NULL;
     /* in-flight ops died with the endpoint: free their batches */
     while (e->live.next != &e->live) { struct shim_batch *b = e->live.next; list_del(b); free(b); }
     while (e->done_head) { struct shim_batch *b = e->done_head; e->done_head = b->next; free(b); }
+    e->n_imms = 0; e->n_tag_errs = 0; e->async_status = 0;
+}
+
+void shim_close(shim_ep *e) {
+    if (!e) return;
+    pthread_mutex_lock(&e->lock);
+    if (e->closing) { pthread_mutex_unlock(&e->lock); return; }
+    e->closing = 1;   /* refuse new callers; those inside notice it and leave */
+    while (e->users) pthread_cond_wait(&e->idle, &e->lock);
+    close_fids(e);
+    e->closed = 1;
     pthread_mutex_unlock(&e->lock);
-    free(e->mrs); free(e->imms); free(e->dead);
-    pthread_mutex_destroy(&e->lock);
-    free(e);
+}
+
+void shim_free(shim_ep *e) {
+    if (!e) return;
+    shim_close(e);
+    destroy(e);
 }

@@ -6,9 +6,10 @@
 typedef struct shim_ep shim_ep;
 
 typedef struct {
-    int kind;          /* 1 = batch done, 2 = immediates counted, 3 = async error */
+    /* kind 4: a remote write carrying `tag` failed here (target side), status + msg say why */
+    int kind;          /* 1 = batch done, 2 = immediates counted, 3 = async error, 4 = tag failed */
     int status;        /* 0 or the libfabric errno of the first failed op */
-    uint32_t tag;      /* immediate (kind 2) */
+    uint32_t tag;      /* immediate (kinds 2 and 4) */
     uint64_t id;       /* batch id (kind 1) */
     uint64_t count;    /* immediates (kind 2) or failed ops (kind 1) */
     char msg[192];     /* fi_strerror + provider text of the first failure */
@@ -32,7 +33,7 @@ typedef struct {
 int shim_open(const char *prov, const char *node, shim_ep **out, char *err, size_t errlen);
 int shim_get_info(shim_ep *ep, shim_info *info);
 int shim_getname(shim_ep *ep, void *buf, size_t *len, char *err, size_t errlen);
-int shim_av_insert(shim_ep *ep, const void *addr, uint64_t *fi_addr, char *err, size_t errlen);
+int shim_av_insert(shim_ep *ep, const void *addr, size_t addrlen, uint64_t *fi_addr, char *err, size_t errlen);
 int shim_av_remove(shim_ep *ep, uint64_t fi_addr, char *err, size_t errlen);
 int shim_mr_reg(shim_ep *ep, void *buf, size_t len, uint64_t *handle, uint64_t *key,
                 uint64_t *base, char *err, size_t errlen);
@@ -42,9 +43,13 @@ int shim_post(shim_ep *ep, uint64_t batch_id, uint64_t peer, size_t n,
               const uint64_t *rkey, const uint64_t *len, uint32_t imm, char *err, size_t errlen);
 int shim_poll(shim_ep *ep, shim_event *ev, int cap, int timeout_us);
 int shim_abandon_peer(shim_ep *ep, uint64_t peer);
+int shim_abandon_batch(shim_ep *ep, uint64_t batch_id);
 int shim_live_batches(shim_ep *ep);
 int64_t shim_bench(shim_ep *ep, uint64_t peer, size_t n, const uint64_t *mr,
                    const uint64_t *src_off, const uint64_t *raddr, const uint64_t *rkey,
                    const uint64_t *len, uint32_t imm, int iters, int64_t *lat_ns,
                    char *err, size_t errlen);
+/* shim_close: close the fids once nobody is inside; later calls fail with -FI_ESHUTDOWN.
+ * shim_free: close if needed, then free; only when no thread can call in any more. */
 void shim_close(shim_ep *ep);
+void shim_free(shim_ep *ep);

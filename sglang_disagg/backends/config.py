@@ -1,0 +1,43 @@
+"""A transfer backend's configuration (frozen, validated with errors naming the field)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_BATCH_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True, slots=True)
+class BackendConfig:
+    """`provider` selects the libfabric provider ("shm", "tcp" = tcp;ofi_rxm, "efa", "verbs");
+    other backends ignore it. `host` is where the control channel listens (and, for TCP
+    transports, the data path binds): loopback in tests. `port` is the control channel's
+    port (0: any free port). `options` are backend specific.
+    `secret`: the deployment's shared secret every control connection must prove (auth.py;
+    None: both ends run without one). `handshake_timeout_s`: how long a new connection may
+    take to authenticate and say HELLO. `max_connections`: control connections alive at once.
+    `batch_timeout_s`: a batch of writes not complete this long after posting fails with
+    DeadlineExceeded (a write whose completion never comes must not hold its future forever)."""
+
+    provider: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 0
+    connect_timeout_s: float = 5.0
+    options: Mapping[str, Any] = field(default_factory=dict)
+    secret: bytes | None = field(default=None, repr=False)
+    handshake_timeout_s: float = 2.0
+    max_connections: int = 256
+    batch_timeout_s: float = DEFAULT_BATCH_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if self.secret is not None and (not isinstance(self.secret, bytes) or len(self.secret) < 16):
+            raise ValueError("secret: need bytes of at least 16 (see sglang_disagg.backends.auth)")
+        for name in ("connect_timeout_s", "handshake_timeout_s", "batch_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"{name}: must be a positive number of seconds, got {value!r}")
+        if isinstance(self.max_connections, bool) or not isinstance(self.max_connections, int) \
+                or self.max_connections < 1:
+            raise ValueError(f"max_connections: must be a positive int, got {self.max_connections!r}")

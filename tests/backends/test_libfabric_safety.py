@@ -1,0 +1,113 @@
+"""libfabric backend in one process: hostile peer addresses, close under load, callbacks that raise."""
+
+from __future__ import annotations
+
+import base64
+import ctypes
+import socket
+import struct
+import threading
+import time
+import types
+
+import pytest
+
+from sglang_disagg.backends import BackendConfig, TransferError, available, create_backend
+
+pytestmark = [pytest.mark.backend,
+              pytest.mark.skipif(not available("libfabric")[0], reason="libfabric shim not built")]
+
+
+def _fake_peer(raw: bytes) -> types.SimpleNamespace:
+    return types.SimpleNamespace(endpoint={"fi_addr": base64.b64encode(raw).decode()}, address="hostile:1",
+                                 native=None)
+
+
+@pytest.mark.parametrize("provider", ["shm", "tcp"])
+def test_hostile_peer_address_refused(provider: str) -> None:
+    be = create_backend("libfabric", BackendConfig(provider=provider))
+    try:
+        own = base64.b64decode(be._endpoint_info()["fi_addr"])
+        if provider == "shm":
+            bad = [own[:-1], own + b"x" * 300, own[:-1] + b"x", b"fi_xyz://1:0:0\0", b"\0" * len(own)]
+        else:
+            v6 = struct.pack("=H", socket.AF_INET6) + bytes(26)
+            bad = [own[:8], own + bytes(8), b"\xff\xff" + own[2:], v6[:16], b""]
+        for raw in bad:
+            with pytest.raises(TransferError, match="peer address|no valid"):
+                be._native_connect(_fake_peer(raw))
+        peer = _fake_peer(own)  # a well-formed address still goes in
+        be._native_connect(peer)
+        assert peer.native is not None
+    finally:
+        be.close()
+
+
+def _pair(provider: str):
+    tx = create_backend("libfabric", BackendConfig(provider=provider))
+    rx = create_backend("libfabric", BackendConfig(provider=provider))
+    bufs = [ctypes.create_string_buffer(8 << 20) for _ in range(2)]
+    src, _ = tx.register(ctypes.addressof(bufs[0]), 8 << 20)
+    _, desc = rx.register(ctypes.addressof(bufs[1]), 8 << 20)
+    peer = tx.connect(rx.address)
+    rx.wait_peer(5.0)
+    remote = peer.add_remote_region(desc)
+    return tx, rx, peer, src, remote, bufs
+
+
+# Not ("writer", "shm"): with both endpoints in ONE process, closing the shm writer with writes
+# in flight makes the receiver's shm progress fault inside libfabric (seen 4 of 4 runs). Across
+# processes (the conformance suite's close tests) it does not happen; open issue.
+@pytest.mark.parametrize("provider,closing", [("tcp", "writer"), ("shm", "receiver"), ("tcp", "receiver")])
+def test_close_while_writers_post(provider: str, closing: str) -> None:
+    """Writers in several threads keep posting 1 MiB batches while one side closes: every
+    write ends in completion or TransferError, no thread hangs, the process survives."""
+    tx, rx, peer, src, remote, bufs = _pair(provider)
+    writes = [(src, i << 20, remote, i << 20, 1 << 20) for i in range(8)]
+    results: list[str] = []
+    stop = threading.Event()
+
+    def writer() -> None:
+        while not stop.is_set():
+            try:
+                tx.write(peer, writes, imm=1).wait(10.0)
+            except TransferError as e:
+                results.append(type(e).__name__)
+                return
+        results.append("stopped")
+
+    threads = [threading.Thread(target=writer) for _ in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    (tx if closing == "writer" else rx).close()
+    time.sleep(0.3)
+    stop.set()
+    for t in threads:
+        t.join(15.0)
+    assert not [t for t in threads if t.is_alive()]
+    assert len(results) == 3 and set(results) <= {"TransferError", "PeerLostError", "DeadlineExceeded", "stopped"}, results
+    tx.close()
+    rx.close()
+    with pytest.raises(TransferError, match="closed"):
+        tx.write(peer, writes, imm=2)
+    assert tx.stats()["native_batches"] == 0
+
+
+def test_raising_callback_keeps_the_poller_alive() -> None:
+    tx, rx, peer, src, remote, bufs = _pair("shm")
+    try:
+        rx.expect(3, 1, 5.0).add_done_callback(lambda f: 1 / 0)  # pending: runs on rx's poller
+        fut = tx.write(peer, [(src, 0, remote, 0, 4096)], imm=3)
+        try:  # runs on tx's poller, or here if the batch already completed (then it raises here)
+            fut.add_done_callback(lambda f: 1 / 0)
+        except ZeroDivisionError:
+            pass
+        fut.wait(5.0)
+        time.sleep(0.1)
+        tx.write(peer, [(src, 0, remote, 0, 4096)], imm=4).wait(5.0)  # still completed
+        rx.expect(4, 1, 5.0).wait(5.0)
+        assert tx._poller.is_alive() and rx._poller.is_alive()
+    finally:
+        tx.close()
+        rx.close()
