@@ -63,6 +63,17 @@ def nixl_agent_for_device(agent: Any, device: str) -> Any:
     return HostMemoryNixlAgent(agent) if device == "cpu" else agent
 
 
+def client_abort_delay_s() -> float:
+    """Seconds SGLang waits before aborting the request of a streaming client that went
+    away (upstream: 2 s). The launcher sets SGLANG_DISAGG_CLIENT_ABORT_DELAY_S=0.2: a
+    disconnected client's KV pages and batch slot go back within the fault deadline, and a
+    request that finished meanwhile is not aborted (only requests still in flight are)."""
+    try:
+        return max(0.0, float(os.environ.get("SGLANG_DISAGG_CLIENT_ABORT_DELAY_S", "2")))
+    except ValueError:
+        return 2.0
+
+
 def _make_nixl_agent(make: Any) -> Any:
     from sglang_disagg.backends.nixl import progress_delay
 

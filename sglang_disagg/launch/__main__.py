@@ -36,7 +36,8 @@ FIELDS = {"role": "role", "model_path": "model", "port": "port", "host": "host",
           "decode_tp": "decode_tp", "dtype": "dtype", "max_total_tokens": "max_total_tokens",
           "page_size": "page_size", "prefill_url": "prefill_urls", "decode_url": "decode_urls",
           "prefill_messenger": "prefill_messengers", "log_dir": "log_dir", "startup_timeout": "startup_timeout_s",
-          "transfer_timeout": "transfer_timeout_s", "drain_timeout": "drain_timeout_s", "pin_cores": "pin_cores", "stream": "stream", "decode_prefix_reuse": "reuse_prefix"}
+          "transfer_timeout": "transfer_timeout_s", "drain_timeout": "drain_timeout_s", "pin_cores": "pin_cores", "stream": "stream", "decode_prefix_reuse": "reuse_prefix",
+          "secret_file": "secret_file"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -67,6 +68,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="messenger: a decoder asks prefill only for the pages its radix cache lacks")
     ap.add_argument("--transfer-timeout", type=float, default=60.0,
                     help="messenger: seconds a decoder waits for a request's KV before failing it")
+    ap.add_argument("--secret-file", default=None,
+                    help="messenger: file holding the shared secret every prefill and decode server of the "
+                         "deployment proves to its peers (default for --role all: a new one in the log dir; "
+                         "or set SGLANG_DISAGG_SECRET)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--pin-cores", action="store_true",
                     help="--role all on CPU: pin the prefill and the decode server to their own half of the cores")
@@ -187,7 +192,9 @@ def main(argv: list[str] | None = None) -> int:
         for what, port in cfg.ports.all(cfg.role, cfg.mode).items():
             say(f"  port {port}: {what}")
         stack.start(progress=say)
-        say(f"up in {stack.startup_s:.1f}s")
+        say(f"up in {stack.startup_s:.1f}s; listening on (also in {stack.log_dir}/ports.txt):")
+        for line in (stack.log_dir / "ports.txt").read_text().splitlines():
+            say(f"  {line}")
         if do_smoke:
             smoke(stack)
             return 0

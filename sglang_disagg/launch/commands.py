@@ -21,6 +21,9 @@ Why each CPU flag is there:
   upstream PD refused a 2048-token prompt on small-llama with "No available prefill
   workers"). A busy server is not a dead one: the probe answers from the HTTP process, and
   a dead scheduler takes its server process down with it.
+- messenger decode ``SGLANG_REQUEST_STATE_WAIT_TIMEOUT=1``: a request with no output yet
+  (its prompt is being prefilled elsewhere) notices its client went away only when this
+  wait times out (SGLang's default 4 s); then its pages on both servers are freed.
 - upstream prefill ``--disable-overlap-schedule``: the overlap path records a
   CUDA event. Messenger servers disable it too: on CPU a forward runs
   synchronously, so overlap would only delay a chunk's KV writes by one forward.
@@ -33,11 +36,13 @@ Why each CPU flag is there:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from sglang_disagg.backends.auth import SECRET_FILE_ENV
 from sglang_disagg.env import CPU_SERVER_ENV
 from sglang_disagg.launch.config import LaunchConfig, Mode, Role
 from sglang_disagg.messenger.config import ENV as MESSENGER_ENV
@@ -114,6 +119,7 @@ def _server_base(cfg: LaunchConfig, model_path: str, builtin: bool, port: int, d
 def _env(cfg: LaunchConfig, role: Role, tp: int, extra: dict[str, str] | None = None) -> tuple[tuple[str, str], ...]:
     env = dict(CPU_SERVER_ENV) if cfg.device == "cpu" else {}
     env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] = "0"  # /health answers without the scheduler
+    env["SGLANG_DISAGG_CLIENT_ABORT_DELAY_S"] = "0.2"  # a client that left frees its pages at once
     if cfg.host not in ("0.0.0.0", "::"):
         # Bootstrap and transfer engines advertise this address to peers.
         env["SGLANG_HOST_IP"] = cfg.host
@@ -144,11 +150,31 @@ def _messenger_server(cfg: LaunchConfig, role: Role, argv: list[str], tp: int, l
         # decode batch it costs no forward of its own, so decoding never pauses for it.
         argv += ["--enable-mixed-chunk"]
     extra = {"SGLANG_USE_HND_KVCACHE": "1", MESSENGER_ENV: messenger_config(cfg, role, log_dir).to_env()}
+    if role is Role.DECODE:
+        extra["SGLANG_REQUEST_STATE_WAIT_TIMEOUT"] = "1"  # see the module doc: client aborts during prefill
+    if cfg.secret_file:
+        extra[SECRET_FILE_ENV] = cfg.secret_file
     return argv, _env(cfg, role, tp, extra)
 
 
 def server_spec(cfg: LaunchConfig, role: Role, model_path: str, builtin: bool,
                 log_dir: Path | None = None) -> ProcessSpec:
+    spec = _server_spec(cfg, role, model_path, builtin, log_dir)
+    multinode = any(a in ("--nnodes", "--dist-init-addr") or a.startswith(("--nnodes=", "--dist-init-addr="))
+                    for a in cfg.extra_args)
+    if log_dir is None or multinode:
+        return spec
+    # torch's TCPStore for the TP group's rendezvous listens on every interface whatever
+    # --host says; a server on one machine meets its ranks through a file instead.
+    store = f"file://{log_dir / (spec.name + '.dist-store')}"
+    return dataclasses.replace(spec, env=tuple(sorted(dict(spec.env, **{DIST_STORE_ENV: store}).items())))
+
+
+DIST_STORE_ENV = "SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE"
+
+
+def _server_spec(cfg: LaunchConfig, role: Role, model_path: str, builtin: bool,
+                 log_dir: Path | None = None) -> ProcessSpec:
     ports = cfg.ports
     if role is Role.COLOCATED:
         argv = _server_base(cfg, model_path, builtin, ports.front, ports.colocated_dist, cfg.prefill_tp)

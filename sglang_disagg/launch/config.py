@@ -130,6 +130,7 @@ class LaunchConfig:
     transfer_timeout_s: float = 60.0
     stream: bool = True  # messenger: write each layer's pages as the prefill forward passes it
     reuse_prefix: bool = True  # messenger: decoders send only what their radix cache lacks
+    secret_file: str | None = None  # messenger: the deployment's shared secret (None: --role all makes one)
     env: tuple[tuple[str, str], ...] = field(default=())
 
     def __post_init__(self) -> None:

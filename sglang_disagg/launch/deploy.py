@@ -73,6 +73,7 @@ class Deployment:
     page_size: int | None = None
     image: str = "sglang-disagg:latest"
     extra_args: tuple[str, ...] = ()
+    secret_file: str | None = None  # the same path (and content) on every prefill and decode machine
 
     @property
     def ports(self) -> Ports:
@@ -96,6 +97,8 @@ class Deployment:
         common = dict(model=self.model, port=self.port, mode=self.mode, backend=self.backend,
                       provider=self.provider, device=self.device, max_total_tokens=self.max_total_tokens,
                       page_size=self.page_size, extra_args=self.extra_args)
+        if name != ROUTER:
+            common["secret_file"] = self.secret_file
         if name == ROUTER:
             decodes = tuple(f"http://{g.host}:{self.ports.decode}" for g in self.of(Role.DECODE))
             prefills = tuple(f"http://{g.host}:{self.ports.prefill}@{self.ports.bootstrap}"
@@ -111,7 +114,7 @@ class Deployment:
 
 _TOP = {"deployment", "prefill", "decode", "router"}
 _DEPLOYMENT = {"model", "mode", "backend", "provider", "port", "device", "max_total_tokens", "page_size", "image",
-               "extra_args"}
+               "extra_args", "secret_file"}
 _GROUP = {"name", "host", "tp", "nodes", "prefill"}
 
 
@@ -161,7 +164,7 @@ def parse(doc: dict) -> Deployment:
         raise DeploymentError("deployment.model: missing")
     kw: dict[str, Any] = {"model": _typed("deployment.model", d["model"], str)}
     for key, kind in (("backend", str), ("provider", str), ("port", int), ("device", str),
-                      ("max_total_tokens", int), ("page_size", int), ("image", str)):
+                      ("max_total_tokens", int), ("page_size", int), ("image", str), ("secret_file", str)):
         if key in d:
             kw[key] = _typed(f"deployment.{key}", d[key], kind)
     if "mode" in d:

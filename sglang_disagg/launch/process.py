@@ -46,8 +46,11 @@ class ManagedProcess:
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "wb")  # noqa: SIM115 - owned by the child from here on
+        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child; a restart appends to the log
         self.started_at = time.monotonic()
+        store = dict(self.spec.env).get("SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE", "")
+        if store.startswith("file://"):  # a previous run's rendezvous file would confuse this one
+            Path(store.removeprefix("file://")).unlink(missing_ok=True)
         self._proc = subprocess.Popen(
             list(self.spec.argv),
             env=self.spec.environ(),

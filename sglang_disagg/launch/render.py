@@ -22,9 +22,11 @@ import dataclasses
 import shlex
 import sys
 
+from ..backends.auth import SECRET_ENV, SECRET_FILE_ENV
 from .config import LaunchConfig, Role
 from .deploy import ROUTER, Deployment, Group, load
 
+K8S_SECRET = "sglang-disagg-secret"
 LAUNCH = [".venv/bin/python", "-m", "sglang_disagg.launch"]
 CONTAINER_LAUNCH = ["python", "-m", "sglang_disagg.launch"]
 
@@ -37,7 +39,8 @@ def launcher_argv(cfg: LaunchConfig) -> list[str]:
                         ("--provider", "provider"), ("--device", "device"), ("--prefill-tp", "prefill_tp"),
                         ("--decode-tp", "decode_tp"), ("--dtype", "dtype"), ("--max-total-tokens", "max_total_tokens"),
                         ("--page-size", "page_size"), ("--transfer-timeout", "transfer_timeout_s"),
-                        ("--startup-timeout", "startup_timeout_s"), ("--drain-timeout", "drain_timeout_s")):
+                        ("--startup-timeout", "startup_timeout_s"), ("--drain-timeout", "drain_timeout_s"),
+                        ("--secret-file", "secret_file")):
         value = getattr(cfg, field)
         if value != defaults[field]:
             argv += [flag, str(getattr(value, "value", value))]
@@ -86,7 +89,8 @@ def _service(name: str, selector: dict, ports: dict[str, int], namespace: str) -
 
 def kubernetes(dep: Deployment, namespace: str = "default") -> list[dict]:
     k8s = dataclasses.replace(dep, groups=tuple(dataclasses.replace(g, host=g.name) for g in dep.groups),
-                              router_host=ROUTER)  # peers find each other through the Services
+                              router_host=ROUTER,  # peers find each other through the Services
+                              secret_file=None)  # and the secret comes from a Kubernetes Secret
     docs: list[dict] = []
     for g in k8s.groups:
         cfg = k8s.launch_config(g.name, host="$(POD_IP)")
@@ -96,6 +100,8 @@ def kubernetes(dep: Deployment, namespace: str = "default") -> list[dict]:
         leader = _container(g.role.value, dep.image, base + _multinode(g, "$(LWS_LEADER_ADDRESS)", "0", dist), ports)
         worker = _container(g.role.value, dep.image,
                             base + _multinode(g, "$(LWS_LEADER_ADDRESS)", "$(LWS_WORKER_INDEX)", dist), ports)
+        for c in (leader, worker):  # kubectl create secret generic sglang-disagg-secret --from-literal=secret=...
+            c["env"].append({"name": SECRET_ENV, "valueFrom": {"secretKeyRef": {"name": K8S_SECRET, "key": "secret"}}})
         labels = {"app.kubernetes.io/part-of": "sglang-disagg", "sglang-disagg/role": g.role.value}
         template = {"size": g.nodes, "leaderTemplate": {"metadata": {"labels": labels},
                                                         "spec": {"containers": [leader]}}}
@@ -141,7 +147,11 @@ def slurm(dep: Deployment, time_limit: str = "04:00:00") -> str:
         v = _var(g.name)
         lines.append(f'export {v}="${{HOSTS[{i}]}}" {v}_NODES="$(IFS=,; echo "${{HOSTS[*]:{i}:{g.nodes}}}")"')
         i += g.nodes
-    lines += [f'export ROUTER="${{HOSTS[{i}]}}"', ""]
+    lines += [f'export ROUTER="${{HOSTS[{i}]}}"']
+    if not dep.secret_file:  # one fresh secret per job, on the shared filesystem, for every server
+        lines += [f'export {SECRET_FILE_ENV}="$PWD/.sglang-disagg-secret.${{SLURM_JOB_ID:-$$}}"',
+                  f'(umask 077; python3 -c "import secrets; print(secrets.token_hex(32))" > "${SECRET_FILE_ENV}")']
+    lines.append("")
     slurm_dep = dataclasses.replace(dep, groups=tuple(dataclasses.replace(g, host=f"${_var(g.name)}")
                                                       for g in dep.groups), router_host="$ROUTER")
     for g in slurm_dep.groups:

@@ -21,6 +21,8 @@ from sglang_disagg.launch.commands import router_spec, server_spec
 from sglang_disagg.launch.config import LaunchConfig, Mode, Role
 from sglang_disagg.launch.preflight import check_patches_applied, check_ports_free
 from sglang_disagg.messenger.links import REFUSED_MARK
+from sglang_disagg.launch.ports import listening
+from sglang_disagg.launch.secret import with_secret
 from sglang_disagg.launch.process import ManagedProcess, StartupError, log_tail
 from sglang_disagg.models import BUILTIN_MODELS, resolve_model_path
 
@@ -41,6 +43,8 @@ class Stack:
     @classmethod
     def for_config(cls, cfg: LaunchConfig) -> Stack:
         log_dir = Path(cfg.log_dir) if cfg.log_dir else Path(tempfile.mkdtemp(prefix=f"sglang-disagg-{cfg.role.value}-"))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        cfg = with_secret(cfg, log_dir)
         model_path = Path()
         servers: list[ManagedProcess] = []
         if cfg.role is not Role.ROUTER:
@@ -71,7 +75,7 @@ class Stack:
                 p.start()
             self._wait(self.servers, deadline, progress)
             if self.cfg.role is Role.DECODE and self.cfg.mode is Mode.MESSENGER:
-                self._wait_links(min(deadline, time.monotonic() + LINK_WAIT_S), progress)
+                self._wait_links(self.servers[0], min(deadline, time.monotonic() + LINK_WAIT_S), progress)
             if self.router:
                 self.router.start()
                 self._wait([self.router], deadline, progress)
@@ -80,6 +84,7 @@ class Stack:
             self.stop()
             raise
         self.startup_s = time.monotonic() - t0
+        (self.log_dir / "ports.txt").write_text("".join(f"{x}\n" for x in listening(self)))
 
     def _wait(self, procs: list[ManagedProcess], deadline: float, progress: Progress | None) -> None:
         pending = list(procs)
@@ -102,13 +107,26 @@ class Stack:
             if pending:
                 time.sleep(0.5)
 
-    def _wait_links(self, deadline: float, progress: Progress | None) -> None:
+    def restart(self, name: str, progress: Progress | None = None) -> None:
+        """Start one server of the stack again (after it died or was killed) and wait until it
+        is healthy; a messenger decoder also until it linked to a prefill server again."""
+        proc = next(p for p in self.servers if p.spec.name == name)
+        proc.stop()
+        stats = self.log_dir / f"{name}.messenger.json"
+        stats.unlink(missing_ok=True)  # the dead run's counters must not answer for the new one
+        proc.start()
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        self._wait([proc], deadline, progress)
+        if name == Role.DECODE.value and self.cfg.mode is Mode.MESSENGER:
+            self._wait_links(proc, min(deadline, time.monotonic() + LINK_WAIT_S), progress)
+
+    def _wait_links(self, decoder: ManagedProcess, deadline: float, progress: Progress | None) -> None:
         """A decoder's first contact with its prefill servers: a refusal (different model,
         incompatible KV layout) stops the start-up with the prefill server's reason; a
         prefill server that is not up yet is only reported (it may start later)."""
         links: dict = {}
         while time.monotonic() < deadline:
-            self.servers[0].check_alive()
+            decoder.check_alive()
             links = (self.messenger_stats("decode") or {}).get("links", {})
             states = {v["state"] for v in links.values()}
             if "ready" in states:

@@ -98,6 +98,8 @@ def test_kubernetes_manifests_run_the_launcher_with_each_nodes_configuration():
             template = w["spec"]["leaderWorkerTemplate"]
             assert template["size"] == dep.group(name).nodes
             container = template["leaderTemplate"]["spec"]["containers"][0]
+            secret = [e for e in container["env"] if e["name"] == "SGLANG_DISAGG_SECRET"]
+            assert secret[0]["valueFrom"]["secretKeyRef"] == {"name": "sglang-disagg-secret", "key": "secret"}
         else:
             container = w["spec"]["template"]["spec"]["containers"][0]
         cfg, _ = parse(_k8s_args(container, {"POD_IP": "10.9.9.9"}))
@@ -142,7 +144,7 @@ def test_the_slurm_script_starts_each_node_on_its_machine_with_its_configuration
     log.mkdir()
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_NODELIST="n[0-4]", SRUN_LOG=str(log))
     # The script ends (exit 1) as soon as one of its processes ends; the others may still be writing.
-    subprocess.run(["bash", str(script)], env=env, timeout=30)
+    subprocess.run(["bash", str(script)], env=env, timeout=30, cwd=tmp_path)
     deadline = time.monotonic() + 10
     while True:
         calls = [f.read_text().rstrip("\0").split("\0") for f in log.glob("call*")]
@@ -150,6 +152,8 @@ def test_the_slurm_script_starts_each_node_on_its_machine_with_its_configuration
             break
         time.sleep(0.05)
     assert len(calls) == len(NODES)
+    secrets = list(tmp_path.glob(".sglang-disagg-secret.*"))  # one per job, private, for every server
+    assert len(secrets) == 1 and secrets[0].stat().st_mode & 0o077 == 0 and len(secrets[0].read_text()) > 32
     machines = {"prefill-0": "n0", "decode-0": "n1", "decode-1": "n2", "decode-2": "n3", "router": "n4"}
     by_host = {}
     for argv in calls:
