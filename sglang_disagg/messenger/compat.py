@@ -7,7 +7,10 @@ import json
 from dataclasses import fields
 from pathlib import Path
 
-from .wire import KVSpec
+from ..backends.errors import DescriptorError
+from ..backends.regions import RegionDescriptor
+from .planner import KVGeometry
+from .wire import Hello, KVSpec
 
 # Fields that may differ: TP is what the planner reconciles; the name is informational
 # (the fingerprint decides whether two servers run the same model).
@@ -41,3 +44,29 @@ def fingerprint(model_path: str) -> str:
     for p in sorted(root.glob("*.safetensors")) + sorted(root.glob("*.bin")):
         h.update(f"{p.name}:{p.stat().st_size}\n".encode())
     return h.hexdigest()[:16]
+
+
+def decoder_pages(geometry: KVGeometry, hello: Hello) -> int:
+    """How many KV pages the decoder's regions hold (the bound every order's page ids are
+    checked against), after checking the Hello's ranks and regions are complete and well
+    formed; raises ValueError naming what is wrong."""
+    tp = hello.kv.tp
+    if tp < 1 or [r.rank for r in hello.ranks] != list(range(tp)):
+        raise ValueError(f"the decoder's ranks {[r.rank for r in hello.ranks][:16]} are not 0..{tp - 1}")
+    kinds = geometry.kinds
+    pages = None
+    for endpoint in hello.ranks:
+        if len(endpoint.regions) != geometry.num_layers * len(kinds):
+            raise ValueError(f"decoder rank {endpoint.rank} sent {len(endpoint.regions)} KV regions, "
+                             f"expected {geometry.num_layers * len(kinds)} (layers x kinds)")
+        heads = len(geometry.heads(tp, endpoint.rank))
+        for i, raw in enumerate(endpoint.regions):
+            try:
+                length = RegionDescriptor.from_bytes(raw).length
+            except DescriptorError as e:
+                raise ValueError(f"decoder rank {endpoint.rank} region {i}: {e}") from None
+            n = length // geometry.page_bytes(kinds[i % len(kinds)], heads)
+            pages = n if pages is None else min(pages, n)
+    if not pages:
+        raise ValueError("the decoder's KV regions hold no page")
+    return pages

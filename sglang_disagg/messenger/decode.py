@@ -18,7 +18,13 @@ rank's KV pages, expects the planner's total number of writes with that tag) -> 
 SGLang's waiting queue once the writes landed.
 A failure moves the request to RELEASE: the client gets the error at once, the tag is
 retired (late writes are discarded) and the pages stay held until no write can land any
-more (the prefill server confirmed the cancel, or it is gone).
+more (the prefill server confirmed the cancel, or it is gone: its link is GONE). A cancel
+left unconfirmed for CANCEL_TIMEOUT_S (a hung server) moves the pages to QUARANTINE: out
+of use until the server answers after all or is gone.
+Re-routing: a request whose prefill server was lost before any of its writes landed (the
+first write is expected on its own, so the decoder knows) goes back to ROUTE once, to
+another ready prefill server, when the lost one is known to be gone (a dropped connection
+to a live server is not enough: that server might still write into the pages).
 """
 
 from __future__ import annotations
@@ -39,8 +45,9 @@ from .config import MessengerConfig
 from .faults import Fault
 from .inputs import Route
 from .kvpool import page_ids
-from .links import Links
+from .links import Links, LinkState
 from .metrics import Cause, scheduler_state
+from ..backends import PeerLostError
 from .node import Node
 from .planner import ShardPlan, pages_for
 from .requests import HANDOFF_ATTR, LOCK_ATTR, abort_matches, fail_request, release
@@ -48,6 +55,7 @@ from .requests import HANDOFF_ATTR, LOCK_ATTR, abort_matches, fail_request, rele
 logger = logging.getLogger("sglang_disagg.messenger")
 
 CANCEL_TIMEOUT_S = 5.0
+LOST_VERDICT_S = 1.0  # how long a request lost before any write waits to learn whether its server is gone
 TRACE = os.environ.get("SGLANG_DISAGG_TRACE") == "1"  # one timing line per request, for profiling
 _FREE, _QUARANTINE = 1, 2
 
@@ -57,6 +65,15 @@ class Phase(enum.Enum):
     ROUTE = "waiting for a prefill server"
     TRANSFER = "waiting for its KV writes"
     RELEASE = "failed; pages held until no write can land"
+    QUARANTINE = "cancel unconfirmed; pages out of use until the prefill server answers or is gone"
+
+
+class Lost(enum.Enum):
+    """What a failed TRANSFER request does next (leader's decision)."""
+
+    FAIL = "fail"        # the client gets the error
+    WAIT = "wait"        # lost before any write landed: is its server gone (re-route) or alive (fail)?
+    REROUTE = "reroute"  # its server is gone and nothing of it landed: ask another one
 
 
 @dataclass(slots=True, eq=False)
@@ -79,6 +96,10 @@ class Entry:
     bytes: int = 0                # bytes the whole request's writes move
     release: int = 0              # leader: _FREE / _QUARANTINE once decided
     cancel_sent: float = 0.0
+    cancel_peer: Any = None       # leader: the connection the cancel went out on (resent after a reconnect)
+    first_landed: bool = False    # leader: at least one write of the current tag arrived
+    lost: float = 0.0             # leader: when its prefill server's connection was lost (0: it was not)
+    rerouted: bool = False        # it was re-routed once already
     times: dict = field(default_factory=dict)  # monotonic timestamps of the lifecycle
 
 
@@ -92,7 +113,7 @@ class DecodeMessenger:
         self._seq = itertools.count()
         self._tags = itertools.count(1)
         self.stats = {"requests_carried": 0, "requests_local": 0, "requests_failed": 0, "writes_received": 0,
-                      "pages_reused": 0, "pages_quarantined": 0}
+                      "pages_reused": 0, "pages_quarantined": 0, "requests_rerouted": 0}
         self.links: Links | None = None
         self._inbox: collections.deque[tuple[Any, wire.Message]] = collections.deque()
         self.recent: collections.deque[dict] = collections.deque(maxlen=64)  # handed-off requests' timelines
@@ -101,7 +122,7 @@ class DecodeMessenger:
         if self.ranks.is_leader:
             hello = wire.Hello(decoder=self.node.name, backend=self.backend.name, provider=self.backend.provider,
                                kv=self.node.spec, ranks=self.node.endpoints)
-            self.links = Links(self.node, hello, cfg.prefill, cfg.connect_timeout_s)
+            self.links = Links(self.node, hello, cfg.prefill, cfg.connect_timeout_s, on_change=self.node.wakeup.set)
             self.node.start_reader(self._on_message)
 
     # ----- intake -------------------------------------------------------------------
@@ -217,8 +238,10 @@ class DecodeMessenger:
         # One backend per server on both sides: every write of the request carries its tag
         # into the leader's backend, from the prefill server's one backend instance.
         e.expected = e.writes
-        fut = self.backend.expect(e.tag, e.expected, self.cfg.transfer_timeout_s, set(route.prefill_instances))
-        fut.add_done_callback(lambda f, e=e: self._on_expect(e, f))
+        peers = set(route.prefill_instances)
+        # The first write alone, then the rest: whether any landed decides if a lost request may be re-routed.
+        first = self.backend.expect(e.tag, 1, self.cfg.transfer_timeout_s, peers)
+        first.add_done_callback(lambda f, e=e, tag=e.tag: self._on_first(e, tag, f, peers))
         order = wire.PrefillOrder(rid=e.req.rid, tag=e.tag, token_ids=tuple(e.req.origin_input_ids[:e.n_tokens]),
                                   dst_pages=e.pages, start_page=e.start_page)
         try:
@@ -227,12 +250,31 @@ class DecodeMessenger:
         except Exception as exc:  # noqa: BLE001 - becomes this request's failure
             e.failed, e.cause = f"could not send the prefill request to {e.link}: {exc}", Cause.SEND
 
-    def _on_expect(self, e: Entry, fut: Any) -> None:  # backend thread
+    def _on_first(self, e: Entry, tag: int, fut: Any, peers: set[str]) -> None:  # backend thread (or scheduler)
+        if fut.exception() is not None or e.expected == 1 or e.tag != tag:
+            self._on_expect(e, tag, fut)
+            return
+        e.first_landed = True
+        left = max(0.0, self.cfg.transfer_timeout_s - (time.monotonic() - e.times["route"]))
+        try:
+            rest = self.backend.expect(tag, e.expected - 1, left, peers)
+        except Exception as exc:  # noqa: BLE001 - the tag was retired meanwhile (abort): the request failed
+            if not e.failed:
+                e.failed, e.cause = f"KV transfer from {e.link} failed: {exc}", Cause.TRANSFER
+            self.node.wakeup.set()
+            return
+        rest.add_done_callback(lambda f, e=e, tag=tag: self._on_expect(e, tag, f))
+
+    def _on_expect(self, e: Entry, tag: int, fut: Any) -> None:  # backend thread
         err = fut.exception()
+        if e.tag != tag:  # an earlier route's expectation (the request was re-routed)
+            return
         e.times["landed"] = time.monotonic()
         if err is None:
             e.landed = True
         elif not e.failed:
+            if isinstance(err, PeerLostError):
+                e.lost = time.monotonic()
             e.failed, e.cause = f"KV transfer from {e.link} failed: {err}", Cause.TRANSFER
         self.node.wakeup.set()
 
@@ -269,20 +311,26 @@ class DecodeMessenger:
         if self.ranks.is_leader:
             self._apply_messages()
             self._leader_release_decisions()
-        live = [e for e in self.entries.values() if e.phase in (Phase.TRANSFER, Phase.RELEASE)]
+        live = [e for e in self.entries.values() if e.phase in (Phase.TRANSFER, Phase.RELEASE, Phase.QUARANTINE)]
         flags = []
         for e in live:
-            flags += [int(e.landed), int(bool(e.failed)), e.release if self.ranks.is_leader else 0]
+            lost = self._lost(e) if self.ranks.is_leader and e.failed and e.phase is Phase.TRANSFER else Lost.FAIL
+            flags += [int(e.landed), int(bool(e.failed) and lost is Lost.FAIL), int(lost is Lost.REROUTE),
+                      e.release if self.ranks.is_leader else 0]
         sums = self.ranks.agree(flags)
         for i, e in enumerate(live):
-            landed, failed, release = sums[3 * i:3 * i + 3]
+            landed, failed, reroute, release = sums[4 * i:4 * i + 4]
             if e.phase is Phase.TRANSFER:
-                if failed:
+                if reroute:
+                    self._reroute(e)
+                elif failed:
                     self._fail(e, e.failed or "KV transfer failed on another TP rank", e.cause or Cause.TRANSFER)
                 elif landed == self.ranks.size:
                     self._hand_off(e)
-            elif release:
-                self._release(e, quarantine=release == _QUARANTINE)
+            elif release == _FREE:
+                self._release(e, quarantine=False)
+            elif release == _QUARANTINE and e.phase is Phase.RELEASE:
+                self._release(e, quarantine=True)
         if self.ranks.is_leader:
             self.node.stats_file.publish(self.snapshot)
 
@@ -304,22 +352,49 @@ class DecodeMessenger:
             "late_writes_dropped": self.backend.stats()["late_writes_dropped"] if self.backend else 0,
             "recent": list(self.recent)}
 
+    def _lost(self, e: Entry) -> Lost:
+        """Leader, for a failed TRANSFER request: fail it, or re-route it once when its prefill
+        server is gone before any write landed and another one is ready."""
+        if not e.lost or e.first_landed or e.rerouted or e.cause is not Cause.TRANSFER:
+            return Lost.FAIL
+        link = self.links.links[e.link]
+        if link.state is LinkState.GONE:
+            others = any(x.alive() for a, x in self.links.links.items() if a != e.link)
+            return Lost.REROUTE if others else Lost.FAIL
+        if link.alive() or time.monotonic() - e.lost > LOST_VERDICT_S:
+            return Lost.FAIL  # reconnected (the server lives and may still write), or no verdict in time
+        return Lost.WAIT
+
+    def _reroute(self, e: Entry) -> None:
+        """Back to ROUTE with a fresh tag; the old one stays retired (nothing of it landed)."""
+        old, link = e.tag, e.link
+        logger.warning("messenger: %s: prefill server %s is gone before any write landed; asking another",
+                       e.req.rid, link)
+        self._settle_link(e)
+        e.tag, e.link, e.phase, e.since, e.routed, e.rerouted = -1, "", Phase.ROUTE, time.monotonic(), False, True
+        e.landed, e.failed, e.cause, e.lost, e.first_landed = False, "", None, 0.0, False
+        if self.backend is not None and old >= 0:
+            self.backend.retire(old, "re-routed")
+        self.stats["requests_rerouted"] += 1
+        self.node.metrics.requests.labels("rerouted").inc()
+        self.node.wakeup.set()
+
     def _leader_release_decisions(self) -> None:
         now = time.monotonic()
         for e in self.entries.values():
-            if e.phase is not Phase.RELEASE or e.release:
+            if e.phase not in (Phase.RELEASE, Phase.QUARANTINE) or e.release:
                 continue
             link = self.links.links.get(e.link) if e.link else None
-            if link is None or not link.alive():
-                e.release = _FREE      # a dead or never-asked prefill server writes nothing more
-            elif not e.cancel_sent:
-                e.cancel_sent = now
+            if link is None or link.state is LinkState.GONE:
+                e.release = _FREE      # never asked, or its process is gone: no write can land any more
+            elif link.alive() and e.cancel_peer is not link.peer:  # first cancel, or the link came back
+                e.cancel_sent, e.cancel_peer = e.cancel_sent or now, link.peer
                 try:
                     link.send(wire.Cancel(rid=e.req.rid, tag=e.tag))
-                except Exception:  # noqa: BLE001 - the link died: next step frees
+                except Exception:  # noqa: BLE001 - the link died: wait for it to come back or be gone
                     pass
-            elif now - e.cancel_sent > CANCEL_TIMEOUT_S:
-                e.release = _QUARANTINE
+            elif e.phase is Phase.RELEASE and now - (e.cancel_sent or e.since) > CANCEL_TIMEOUT_S:
+                e.release = _QUARANTINE  # a live connection may still carry writes: keep the pages out of use
 
     def _hand_off(self, e: Entry) -> None:
         req, sched = e.req, self.sched
@@ -363,7 +438,7 @@ class DecodeMessenger:
         fail_request(self.sched, e.req, reason)
         if e.tag >= 0 and self.backend is not None:
             self.backend.retire(e.tag, reason)
-        e.phase, e.failed = Phase.RELEASE, reason
+        e.phase, e.failed, e.since = Phase.RELEASE, reason, time.monotonic()
 
     def _finish_failed(self, e: Entry, reason: str, cause: Cause) -> None:
         """Fail a request no write was ever asked for: free its pages now."""
@@ -374,15 +449,16 @@ class DecodeMessenger:
         release(self.sched, e.req)
 
     def _release(self, e: Entry, quarantine: bool) -> None:
+        if quarantine:
+            # The prefill server did not confirm the cancel: a write may still land in these
+            # pages, so nobody gets them until it answers after all or is gone.
+            e.phase, e.release = Phase.QUARANTINE, 0
+            self.stats["pages_quarantined"] += len(e.pages)
+            logger.error("messenger: %d pages of %s quarantined: %s did not confirm the cancel in %.0f s",
+                         len(e.pages), e.req.rid, e.link, CANCEL_TIMEOUT_S)
+            return
         del self.entries[e.seq]
         self._settle_link(e)
-        if quarantine:
-            # The prefill server never confirmed the cancel: a write may still land in
-            # these pages, so they are never reused (counted, not freed).
-            self.stats["pages_quarantined"] += len(e.pages)
-            logger.error("messenger: %d pages of %s quarantined: %s never confirmed the cancel", len(e.pages),
-                         e.req.rid, e.link)
-            return
         release(self.sched, e.req)
 
     def _settle_link(self, e: Entry) -> None:
@@ -435,7 +511,8 @@ class DecodeMessenger:
         return False
 
     def idle(self) -> bool:
-        return not self.entries
+        # Quarantined pages wait on a prefill server's answer (a message wakes us), not on a step.
+        return all(e.phase is Phase.QUARANTINE for e in self.entries.values())
 
     def has_leader_work(self) -> bool:
         return any(e.phase is Phase.ROUTE and not e.routed for e in self.entries.values()) and \

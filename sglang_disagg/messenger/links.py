@@ -1,9 +1,12 @@
 """A decoder leader's links to prefill servers: first contact, health, load.
 
 Each configured prefill messenger gets a thread that connects (retrying while the server
-starts), sends Hello and waits for Welcome or Refuse. A refusal is final for that
-server until it restarts; a lost connection is retried. Requests go to the ready link
-with the fewest outstanding requests.
+starts), sends Hello and waits for Welcome or Refuse. A refusal (by the messenger, or by
+the transfer backend's own handshake: another backend, provider or descriptor version) is
+final for that server until it restarts; a lost connection is retried at once. A lost
+server whose port then refuses connections is GONE: its process no longer exists, so no
+write of it can land any more (the decoder frees or re-routes what it had asked of it).
+Requests go to the ready link with the fewest outstanding requests.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from . import wire
 logger = logging.getLogger("sglang_disagg.messenger")
 
 RETRY_S = 0.5
+POLL_S = 0.05  # how often a ready link's liveness is checked: loss must be seen within 2 s
 REFUSED_RETRY_S = 5.0
 REFUSED_MARK = "refused by"  # in every refusal the client sees; the launcher stops on it
 
@@ -27,7 +31,8 @@ class LinkState(enum.Enum):
     CONNECTING = "connecting"
     READY = "ready"
     REFUSED = "refused"
-    DOWN = "down"
+    DOWN = "down"    # was ready, connection lost, process may still be alive (not reconnected yet)
+    GONE = "gone"    # was ready, and its port now refuses connections: the process is gone
 
 
 class Link:
@@ -55,8 +60,10 @@ class Link:
 
 
 class Links:
-    def __init__(self, node: Any, hello: wire.Hello, addresses: tuple[str, ...], connect_timeout_s: float) -> None:
+    def __init__(self, node: Any, hello: wire.Hello, addresses: tuple[str, ...], connect_timeout_s: float,
+                 on_change: Any = None) -> None:
         self._node, self._hello, self._timeout = node, hello, connect_timeout_s
+        self._on_change = on_change or (lambda: None)  # wakes the scheduler: entries wait on link states
         self.links = {a: Link(a) for a in addresses}
         self._by_peer: dict[str, Link] = {}
         self._stop = threading.Event()
@@ -70,6 +77,7 @@ class Links:
         return min(ready, key=lambda link: link.outstanding) if ready else None
 
     def connecting(self) -> bool:
+        """A link may become ready soon: requests wait for it (not for a GONE one)."""
         return any(link.state in (LinkState.CONNECTING, LinkState.DOWN) for link in self.links.values())
 
     def why(self) -> str:
@@ -96,12 +104,16 @@ class Links:
     def _run(self, link: Link) -> None:
         while not self._stop.is_set():
             if link.alive():
-                self._stop.wait(RETRY_S)
+                self._stop.wait(POLL_S)
                 continue
             if link.state is LinkState.READY:  # it was up: the connection dropped
                 link.state, link.reason = LinkState.DOWN, "connection lost"
                 logger.warning("messenger: prefill server %s lost", link.address)
+                self._on_change()
+            before = link.state
             self._contact(link)
+            if link.state is not before:
+                self._on_change()
             if link.state is not LinkState.READY:
                 self._stop.wait(REFUSED_RETRY_S if link.state is LinkState.REFUSED else RETRY_S)
 
@@ -109,7 +121,12 @@ class Links:
         try:
             peer = self._node.backend.connect(link.address, self._timeout)
         except TransferError as e:
-            if link.state is not LinkState.REFUSED:
+            if "peer refused the connection" in str(e):  # the backend handshake: never compatible
+                link.state, link.reason = LinkState.REFUSED, f"{REFUSED_MARK} {link.address}: {e}"
+                logger.error("messenger: prefill server %s refused this decoder: %s", link.address, e)
+            elif link.state in (LinkState.DOWN, LinkState.GONE) and isinstance(e.__cause__, ConnectionRefusedError):
+                link.state, link.reason = LinkState.GONE, f"lost, and its port refuses connections: {e}"
+            elif link.state is not LinkState.REFUSED:
                 link.reason = str(e)
             return
         link._reply.clear()

@@ -3,6 +3,7 @@ rank group, and (on the leader) the thread that reads control messages."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -12,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..backends import BackendConfig, DeadlineExceeded, create_backend
+from ..backends import BackendConfig, DeadlineExceeded, auth, create_backend
 from ..backends.base import TransferBackend
 from .. import cumem, shm
 from . import compat, wire
@@ -51,8 +52,9 @@ class Node:
         endpoints: list[wire.RankEndpoint] = []
         if self.ranks.is_leader:
             listen = cfg.port if cfg.role is MessengerRole.PREFILL else 0
-            self.backend = create_backend(cfg.backend, BackendConfig(provider=cfg.provider, host=cfg.host,
-                                                                     port=listen))
+            self.backend = create_backend(cfg.backend, BackendConfig(
+                provider=cfg.provider, host=cfg.host, port=listen, secret=_require_secret(),
+                handshake_timeout_s=min(2.0, cfg.connect_timeout_s)))
             for rank in range(self.ranks.size):
                 if rank == 0:
                     regions, descriptors = self.view.register(self.backend)
@@ -110,13 +112,32 @@ class Node:
                     msg = wire.decode(raw)
                 except wire.WireError as e:
                     logger.warning("messenger: bad control message from %s: %s", peer.address, e)
-                    continue
+                    msg = self._across_versions(peer, raw, e)
+                    if msg is None:
+                        continue
                 try:
                     handle(peer, msg)
                 except Exception:  # noqa: BLE001 - one bad message must not stop the reader
                     logger.exception("messenger: handling %s from %s failed", type(msg).__name__, peer.address)
         self._reader = threading.Thread(target=loop, name="messenger-control", daemon=True)
         self._reader.start()
+
+    def _across_versions(self, peer: Any, raw: bytes, error: wire.WireError) -> wire.Message | None:
+        """First contact between builds of different wire versions still ends in a clear
+        refusal on both sides: a Hello we cannot read is refused with the reason, and a
+        Refuse we cannot read is still a refusal (its reason is plain text in any version)."""
+        try:
+            obj = json.loads(raw)
+        except ValueError:
+            return None
+        if not isinstance(obj, dict):
+            return None
+        if obj.get("type") == wire.Hello.TYPE:
+            with contextlib.suppress(Exception):
+                peer.send(wire.encode(wire.Refuse(prefill=self.name, reason=str(error))))
+        elif obj.get("type") == wire.Refuse.TYPE and isinstance(obj.get("reason"), str):
+            return wire.Refuse(prefill=str(obj.get("prefill", "?"))[:200], reason=obj["reason"][:2000])
+        return None
 
     def describe(self, scheduler: Any) -> dict:
         grammar = getattr(scheduler.grammar_manager, "grammar_backend", None)
@@ -138,6 +159,17 @@ class Node:
         for m in self._mappings:
             m.close()
         self.wakeup.close()
+
+
+def _require_secret() -> bytes:
+    """Messenger ports accept only peers that prove the deployment's shared secret."""
+    secret = auth.load_secret()
+    if secret is None:
+        raise RuntimeError(f"messenger mode needs the deployment's shared secret: set {auth.SECRET_FILE_ENV} "
+                           f"(a file holding it) or {auth.SECRET_ENV}; every prefill and decode server of the "
+                           "deployment must use the same one (python -m sglang_disagg.launch does this for a local "
+                           "stack and takes --secret-file across machines)")
+    return secret
 
 
 def _backing(t: Any) -> Any:

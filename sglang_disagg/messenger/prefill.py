@@ -11,7 +11,9 @@ Scheduler-side contract (hooks.py calls these on every TP rank, in the scheduler
   step()                 once per iteration: agree with the other ranks, release, answer
   abort(recv_req)        orders still waiting in the queue
 Worker side (backend threads): write futures completing only count down and wake the
-scheduler. The control thread (leader) reads decoders' messages and answers first
+scheduler. A decoder whose control connection is lost (it died, or the link dropped) gets
+its orders cancelled at once: nobody would take their KV, and a decoder that reconnects
+has failed them already (it asks for Released on the new connection). The control thread (leader) reads decoders' messages and answers first
 contact; everything that touches the scheduler goes through the broadcast.
 
 One messenger per server: the leader (TP rank 0) owns the only backend, the layer counter
@@ -34,6 +36,7 @@ import time
 from array import array
 from typing import Any
 
+from ..backends import PeerState
 from . import compat, wire
 from .config import MessengerConfig
 from .inputs import CancelTicket, DecoderJoined, MessengerInput, OrderTicket
@@ -61,6 +64,9 @@ class PrefillMessenger:
         self._seq = itertools.count()
         self._inbox: collections.deque[MessengerInput] = collections.deque()
         self._peers: dict[str, Any] = {}             # leader: decoder key -> control peer
+        self._capacity: dict[str, int] = {}          # leader: decoder key -> pages its regions hold
+        self._vocab = int(scheduler.model_config.vocab_size)
+        self._lost: dict[str, Any] = {}              # leader: decoder key -> the lost peer already handled
         self.stats = {"orders": 0, "orders_failed": 0, "writes_posted": 0, "pages_sent": 0}
         self.recent: collections.deque[dict] = collections.deque(maxlen=64)  # finished orders' timelines
         self.node.metrics.watch(self._gauges)
@@ -81,6 +87,7 @@ class PrefillMessenger:
             if not reasons:
                 try:
                     ShardPlan.build(self.node.view.geometry, self.ranks.size, msg.kv.tp)
+                    self._capacity[peer.id] = compat.decoder_pages(self.node.view.geometry, msg)
                 except ValueError as e:
                     reasons.append(str(e))
             if reasons:
@@ -116,13 +123,32 @@ class PrefillMessenger:
             return f"start_page {o.start_page} beyond the order's {len(o.dst_pages)} pages"
         if o.tag >= 1 << 32:
             return f"tag {o.tag} does not fit 32 bits"
+        if o.dst_pages and max(o.dst_pages) >= self._capacity[key]:
+            return f"page id {max(o.dst_pages)} outside the decoder's {self._capacity[key]} pages"
+        if max(o.token_ids) >= self._vocab:
+            return f"token id {max(o.token_ids)} outside the model's vocabulary of {self._vocab}"
         return ""
 
     def leader_inputs(self) -> list[MessengerInput]:
         out = []
         while self._inbox:
             out.append(self._inbox.popleft())
+        for key in self._lost_decoders():
+            # After the orders just taken from the inbox, so their tickets exist when these apply.
+            tags = {r.order.tag for r in self.records.values() if r.key == key and not r.cancelled}
+            tags |= {i.order.tag for i in out if isinstance(i, OrderTicket) and i.key == key}
+            logger.warning("messenger: decoder %s lost: cancelling its %d order(s)", key[:12], len(tags))
+            out += [CancelTicket(key, tag) for tag in sorted(tags)]
         return out
+
+    def _lost_decoders(self) -> list[str]:
+        """Keys of decoders whose control connection was lost since the last look."""
+        lost = []
+        for key, peer in list(self._peers.items()):
+            if peer.state is not PeerState.CONNECTED and self._lost.get(key) is not peer:
+                self._lost[key] = peer
+                lost.append(key)
+        return lost
 
     # ----- every rank: inputs from the broadcast --------------------------------------
     def apply(self, item: MessengerInput) -> None:
@@ -382,7 +408,8 @@ class PrefillMessenger:
         return not self.records
 
     def has_leader_work(self) -> bool:
-        return bool(self._inbox)
+        return bool(self._inbox) or any(p.state is not PeerState.CONNECTED and self._lost.get(k) is not p
+                                        for k, p in list(self._peers.items()))
 
     def close(self) -> None:
         if self.streamer is not None:

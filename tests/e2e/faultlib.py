@@ -1,0 +1,108 @@
+"""Helpers for the fault tests: requests in the background, the servers' messenger metrics,
+signals to a server's whole process group, and the fault-matrix rows the tests print
+(``pytest -s`` or ``-rP`` shows them; one line per case, tab-separable)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from sglang_disagg.launch.client import generate_ids
+
+FAULT_DEADLINE_S = 2.0  # every fault is detected, answered and cleaned up within this
+
+
+def long_prompt(n: int, seed: int) -> list[int]:
+    """A prompt no other test sends (so no radix cache on either side holds any of it)."""
+    rng = random.Random(seed)
+    return [1] + [rng.randrange(100, 4000) for _ in range(n - 1)]
+
+
+class Call(threading.Thread):
+    """One greedy request in the background; `done_at` is when its answer (or error) came."""
+
+    def __init__(self, url: str, prompt: list[int], max_new_tokens: int, timeout: float = 60.0) -> None:
+        super().__init__(daemon=True)
+        self.args = (url, prompt, max_new_tokens, timeout)
+        self.out: list[int] | None = None
+        self.err: BaseException | None = None
+        self.done_at = 0.0
+        self.start()
+
+    def run(self) -> None:
+        url, prompt, n, timeout = self.args
+        try:
+            self.out = generate_ids(url, prompt, n, timeout=timeout)
+        except BaseException as e:  # noqa: BLE001 - the test inspects it
+            self.err = e
+        finally:
+            self.done_at = time.monotonic()
+
+    def result(self, timeout: float = 30.0) -> Call:
+        self.join(timeout)
+        assert not self.is_alive(), f"no answer within {timeout} s"
+        return self
+
+
+def scrape(host: str, port: int) -> dict[tuple, float]:
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return {(s.name,) + tuple(sorted(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def value(samples: dict, name: str, **labels) -> float:
+    return samples.get((name,) + tuple(sorted(labels.items())), 0.0)
+
+
+def total(samples: dict, name: str) -> float:
+    return sum(v for k, v in samples.items() if k[0] == name)
+
+
+def leaked_pages(samples: dict) -> float:
+    """KV pages held by nothing: allocated beyond the radix cache's, plus locked ones (run idle)."""
+    pages = {k[1][1]: v for k, v in samples.items() if k[0] == "sglang_disagg_kv_pages"}
+    return pages["allocated"] - pages["cached"] + pages["locked"]
+
+
+def wait_released(host: str, port: int, since: float, timeout: float = FAULT_DEADLINE_S) -> tuple[float, float]:
+    """Wait until a server's messenger holds no request and no page beyond its cache.
+    Returns (seconds from `since` until then, pages still leaked at the deadline)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = scrape(host, port)
+        busy = total(s, "sglang_disagg_requests_in_flight") + value(s, "sglang_disagg_queue_depth", queue="running")
+        leak = leaked_pages(s)
+        if (busy == 0 and leak == 0) or time.monotonic() > deadline:
+            return time.monotonic() - since, leak + busy
+        time.sleep(0.02)
+
+
+def wait_for(what: str, cond, timeout: float = 10.0, every: float = 0.005):
+    deadline = time.monotonic() + timeout
+    while True:
+        got = cond()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(every)
+
+
+def signal_group(proc, sig: int) -> None:
+    """A server with its scheduler and detokenizer children (they share its process group)."""
+    os.killpg(proc.pid, sig)
+
+
+def row(case: str, time_to_error: float | None, pages_leaked: float, next_ok: bool, note: str = "") -> None:
+    t = "-" if time_to_error is None else f"{time_to_error:.3f}s"
+    print(f"\nfault-matrix | {case} | time to error {t} | pages leaked {pages_leaked:g} | next request ok {next_ok}"
+          + (f" | {note}" if note else ""), flush=True)
+
+
+SIGSTOP, SIGCONT, SIGKILL = signal.SIGSTOP, signal.SIGCONT, signal.SIGKILL

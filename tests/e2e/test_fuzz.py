@@ -1,0 +1,166 @@
+"""The launcher's default stack against an attacker on the same host.
+
+Every port the stack's processes listen on binds the configured interface only, and the
+launcher names each of them. Then every port the messenger opens (the prefill messenger,
+the decoder's transfer endpoint, both metrics endpoints) gets random bytes, another
+protocol, truncated and oversized frames and wrong secrets; a peer that does hold the
+secret sends orders with out-of-bounds page ids and token ids, which are refused with a
+reason. Afterwards the stack still serves, token-exact, with no page left allocated.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import struct
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from sglang_disagg.backends import BackendConfig, TransferError, create_backend
+from sglang_disagg.messenger import compat, wire
+from sglang_disagg.models import ensure_model
+
+from .conftest import assert_same, run_sequential
+from .test_metrics import scrape, value
+
+pytestmark = pytest.mark.e2e
+FRAME = struct.Struct("!IB")
+
+
+def _stack_pids(stack) -> set[int]:
+    pids = set()
+    for p in stack.processes:
+        root = psutil.Process(p.pid)
+        pids |= {root.pid} | {c.pid for c in root.children(recursive=True)}
+    return pids
+
+
+def listening(stack) -> dict[int, str]:
+    """port -> bound address, for every TCP socket the stack's processes listen on."""
+    pids = _stack_pids(stack)
+    return {c.laddr.port: c.laddr.ip for c in psutil.net_connections("inet")
+            if c.status == psutil.CONN_LISTEN and c.pid in pids}
+
+
+def test_every_port_binds_the_configured_interface_and_the_launcher_names_it(stack):
+    found = listening(stack)
+    assert found, "no listening socket found for the stack's processes"
+    wildcard = {port: ip for port, ip in found.items() if ip != stack.cfg.host}
+    assert not wildcard, f"ports bound beyond {stack.cfg.host}: {wildcard}"
+    # Servers on one machine meet their TP ranks through a file, so dist-init ports stay closed.
+    named = {port for what, port in stack.cfg.ports.all(stack.cfg.role, stack.cfg.mode).items()
+             if "dist-init" not in what}
+    assert named <= set(found), f"ports the launcher names but nothing listens on: {named - set(found)}"
+    log = (Path(stack.log_dir) / "ports.txt").read_text()
+    for port in named:
+        assert f":{port}" in log
+
+
+def held_pages(stack, role: str) -> float:
+    """Pages allocated beyond what the radix cache holds (evictable): those of live requests."""
+    samples = scrape(stack, role)
+    return (value(samples, "sglang_disagg_kv_pages", state="allocated")
+            - value(samples, "sglang_disagg_kv_pages", state="cached"))
+
+
+def _decoder_control(stack) -> str:
+    deadline = time.monotonic() + 10
+    while not (stats := stack.messenger_stats("decode") or {}).get("address"):
+        assert time.monotonic() < deadline, "the decoder published no address"
+        time.sleep(0.2)
+    return stats["address"]
+
+
+def _hostile(address: str, payload: bytes) -> float:
+    """Send `payload` without authenticating; seconds until the server hung up."""
+    host, port = address.rsplit(":", 1)
+    start = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(payload)
+        s.settimeout(5)
+        try:
+            while s.recv(4096):
+                pass
+        except (ConnectionResetError, socket.timeout):
+            pass
+    return time.monotonic() - start
+
+
+PAYLOADS = [random.Random(3).randbytes(1 << 16), b"GET / HTTP/1.1\r\n\r\n", FRAME.pack(0xFFFFFFFF, 1),
+            FRAME.pack(20, 1) + b'{"v": 1, "backend":', b"SGDA\x01" + b"\x00" * 32 + b"\xff" * 32]
+
+
+def _hello_for(stack, backend, pages: int) -> tuple[wire.Hello, list]:
+    """A decoder's Hello as the real one would say it, with `pages` pages per region."""
+    import torch
+
+    from sglang_disagg import shm
+
+    path = ensure_model(stack.cfg.model)
+    c = json.loads((path / "config.json").read_text())
+    page = stack.cfg.kv_page_size
+    kv = wire.KVSpec(model=stack.cfg.model, fingerprint=compat.fingerprint(str(path)),
+                     num_layers=c["num_hidden_layers"], kv_heads=c["num_key_value_heads"], head_dim=c["head_dim"],
+                     v_head_dim=c["head_dim"], page_size=page, dtype="float32", layout="hnd", tp=1)
+    buffers = [shm.shared_zeros((pages * page * kv.kv_heads * kv.head_dim,), torch.float32)
+               for _ in range(kv.num_layers * 2)]
+    descs = [backend.register(b.data_ptr(), b.numel() * 4)[1].decode() for b in buffers]
+    ranks = (wire.RankEndpoint(0, backend.address, backend.instance, tuple(descs)),)
+    return wire.Hello(decoder="fuzzer", backend=backend.name, provider=backend.provider, kv=kv, ranks=ranks), buffers
+
+
+def _answer(backend, timeout: float = 5.0) -> wire.Message:
+    _, raw = backend.recv(timeout)
+    return wire.decode(raw)
+
+
+def test_hostile_input_to_every_messenger_port_leaves_the_stack_serving_token_exact(stack, references):
+    prompts, expected = references("tiny-llama")
+    secret = Path(stack.cfg.secret_file).read_bytes().strip()
+    cfg = stack.cfg
+    control = [f"{cfg.host}:{cfg.ports.bootstrap}", _decoder_control(stack)]
+    metrics = [f"{cfg.host}:{cfg.ports.prefill_metrics}", f"{cfg.host}:{cfg.ports.decode_metrics}"]
+    for address in control + metrics:
+        for payload in PAYLOADS:
+            took = _hostile(address, payload)
+            if address in control:  # ours close at once (metrics is HTTP: it may answer 400 first)
+                assert took < 2.5, (address, payload[:20], took)
+    for address in control:  # a wrong secret, from a real backend
+        with create_backend(cfg.transfer_backend, BackendConfig(provider=cfg.transfer_provider,
+                                                                secret=b"x" * 32)) as intruder:
+            with pytest.raises(TransferError, match="shared secret|refused our proof"):
+                intruder.connect(address, 5)
+
+    # A peer holding the secret: orders naming pages or tokens out of bounds are refused.
+    with create_backend(cfg.transfer_backend, BackendConfig(provider=cfg.transfer_provider, secret=secret)) as be:
+        peer = be.connect(control[0], 5)
+        hello, _buffers = _hello_for(stack, be, pages=4)
+        other_version = json.loads(wire.encode(hello)) | {"v": wire.WIRE_VERSION + 98}
+        peer.send(json.dumps(other_version).encode())  # another build: refused, with both versions named
+        answer = _answer(be)
+        assert isinstance(answer, wire.Refuse) and f"wire version {wire.WIRE_VERSION + 98}" in answer.reason, answer
+        peer.send(wire.encode(hello))
+        assert isinstance(_answer(be), wire.Welcome)
+        bad = [wire.PrefillOrder(rid="oob-page", tag=1, token_ids=tuple(range(1, 20)), dst_pages=(1, 1 << 40),
+                                 start_page=0),
+               wire.PrefillOrder(rid="oob-token", tag=2, token_ids=(1, 1 << 20), dst_pages=(1,), start_page=0),
+               wire.PrefillOrder(rid="bad-count", tag=3, token_ids=(1, 2, 3), dst_pages=(1, 2), start_page=0)]
+        for order in bad:
+            peer.send(wire.encode(order))
+            answer = _answer(be)
+            assert isinstance(answer, wire.OrderFailed) and answer.tag == order.tag, answer
+        peer.send(b"not a wire message")  # logged and dropped; the connection stays
+        peer.send(wire.encode(bad[0]))
+        assert isinstance(_answer(be), wire.OrderFailed)
+
+    got = run_sequential(stack.url, prompts[2:5])
+    assert_same(got, expected[2:5], prompts[2:5])
+    deadline = time.monotonic() + 5
+    while (held := [held_pages(stack, role) for role in ("prefill", "decode")]) != [0, 0]:
+        assert time.monotonic() < deadline, f"pages held by no request (prefill, decode): {held}"
+        time.sleep(0.2)
+    assert not stack.dead()
