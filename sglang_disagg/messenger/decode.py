@@ -99,6 +99,7 @@ class Entry:
     cancel_peer: Any = None       # leader: the connection the cancel went out on (resent after a reconnect)
     first_landed: bool = False    # leader: at least one write of the current tag arrived
     lost: float = 0.0             # leader: when its prefill server's connection was lost (0: it was not)
+    route_peer: Any = None        # leader: the link's connection when the order went out
     rerouted: bool = False        # it was re-routed once already
     times: dict = field(default_factory=dict)  # monotonic timestamps of the lifecycle
 
@@ -245,6 +246,7 @@ class DecodeMessenger:
         order = wire.PrefillOrder(rid=e.req.rid, tag=e.tag, token_ids=tuple(e.req.origin_input_ids[:e.n_tokens]),
                                   dst_pages=e.pages, start_page=e.start_page)
         try:
+            e.route_peer = self.links.links[e.link].peer
             self.links.links[e.link].send(order)
             e.times["sent"] = time.monotonic()
         except Exception as exc:  # noqa: BLE001 - becomes this request's failure
@@ -361,8 +363,11 @@ class DecodeMessenger:
         if link.state is LinkState.GONE:
             others = any(x.alive() for a, x in self.links.links.items() if a != e.link)
             return Lost.REROUTE if others else Lost.FAIL
-        if link.alive() or time.monotonic() - e.lost > LOST_VERDICT_S:
-            return Lost.FAIL  # reconnected (the server lives and may still write), or no verdict in time
+        # The loss may reach the expectation (through the server's other connection) before
+        # the link's own connection: only a link on a NEW connection proves the server lives.
+        reconnected = link.alive() and link.peer is not e.route_peer
+        if reconnected or time.monotonic() - e.lost > LOST_VERDICT_S:
+            return Lost.FAIL  # the server lives and may still write, or no verdict in time
         return Lost.WAIT
 
     def _reroute(self, e: Entry) -> None:

@@ -162,11 +162,18 @@ class PrefillMessenger:
     def _join(self, item: DecoderJoined) -> None:
         hello = item.hello
         link = DecoderLink(hello, ShardPlan.build(self.node.view.geometry, self.ranks.size, hello.kv.tp))
+        old = self.decoders.get(item.key)
         self.decoders[item.key] = link
         if not self.ranks.is_leader:
             return
+        # A decoder whose control connection dropped says Hello again: keep our connection to
+        # it when that one lives (closing it would fail the decoder's transfers from us).
+        kept = old.peers.get(0) if old is not None else None
         try:  # one connection to the decoder's messenger, which holds every decode rank's regions
-            peer = self.backend.connect(hello.ranks[0].address, self.cfg.connect_timeout_s)
+            if kept is not None and kept.state is PeerState.CONNECTED and kept.id == hello.ranks[0].instance:
+                peer = kept
+            else:
+                peer = self.backend.connect(hello.ranks[0].address, self.cfg.connect_timeout_s)
             for d, endpoint in enumerate(hello.ranks):
                 link.peers[d] = peer
                 link.remote[d] = [peer.add_remote_region(desc) for desc in endpoint.regions]

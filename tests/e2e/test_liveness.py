@@ -85,9 +85,9 @@ def test_a_busy_prefill_server_is_not_a_dead_one(stack, references):
           f"max /health {max(health) * 1000:.0f} ms", flush=True)
 
 
-def _open_stream(stack, prompt: list[int], max_new_tokens: int) -> socket.socket:
+def _open_stream(stack, prompt: list[int], max_new_tokens: int, port: int | None = None) -> socket.socket:
     body = json.dumps({"input_ids": prompt, "sampling_params": greedy(max_new_tokens), "stream": True}).encode()
-    sock = socket.create_connection((stack.cfg.host, stack.cfg.port), timeout=30)
+    sock = socket.create_connection((stack.cfg.host, port or stack.cfg.port), timeout=30)
     sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
     return sock
@@ -101,10 +101,13 @@ def _freed(stack, since: float) -> tuple[float, float]:
 
 
 def test_a_client_leaving_mid_prefill_frees_both_servers(stack, references):
+    """Straight to the decoder: before the first token nothing flows to the client, and
+    sglang-router notices a departed client only when it next writes to it (so through the
+    router this case is bounded by the first token, then the mid-decode case applies)."""
     prefill = stack.servers[0]
     aborted = value(metrics(stack, "decode"), "sglang_disagg_failures_total", cause="aborted")
     writes = value(metrics(stack, "prefill"), "sglang_disagg_kv_writes_total")
-    sock = _open_stream(stack, long_prompt(1500, 5), 400)
+    sock = _open_stream(stack, long_prompt(1500, 5), 400, port=stack.cfg.ports.decode)
     wait_for("prefill writing", lambda: value(metrics(stack, "prefill"), "sglang_disagg_kv_writes_total") > writes)
     signal_group(prefill, SIGSTOP)  # holds the prompt mid-prefill until SGLang's abort reached the decoder
     try:
