@@ -34,6 +34,9 @@ class Result:
     start: float                       # seconds since the run began
     token_times: list[float] = field(default_factory=list)  # arrival of each streamed token
     error: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    aborted: bool = False              # the client closed the connection on purpose
+    end: float | None = None           # the stream ended (or was closed by the client)
 
     @property
     def ttft(self) -> float | None:
@@ -49,29 +52,55 @@ def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [1] + [rng.randrange(10, vocab) for _ in range(n - 1)]
 
 
-async def _one(session, url: str, klass: RequestClass, prompt: list[int], t0: float) -> Result:
-    res = Result(klass.name, time.perf_counter() - t0)
-    body = {"input_ids": prompt, "stream": True,
-            "sampling_params": {"max_new_tokens": klass.output_len, "temperature": 0.0, "ignore_eos": True}}
+async def stream_generate(session, url: str, body: dict, t0: float, klass: str = "",
+                          abort_after: int | None = None, abort_delay_s: float = 0.0) -> Result:
+    """POST a streaming ``/generate`` and record each token's arrival and the output ids.
+    With `abort_after`, close the connection once that many tokens arrived (0: `abort_delay_s`
+    after the response headers did), as a client that goes away mid-stream."""
+    res = Result(klass, time.perf_counter() - t0)
     seen = 0
     try:
-        async with session.post(url + "/generate", json=body) as r:
+        async with session.post(url + "/generate", json={**body, "stream": True}) as r:
             if r.status != 200:
                 res.error = f"HTTP {r.status}: {(await r.text())[:200]}"
+                return res
+            if abort_after == 0:
+                await asyncio.sleep(abort_delay_s)
+                r.close()  # drops the connection: the server must see the client leave
+                res.aborted, res.end = True, time.perf_counter() - t0
                 return res
             async for raw in r.content:
                 line = raw.strip()
                 if not line.startswith(b"data:") or line == b"data: [DONE]":
                     continue
                 now = time.perf_counter() - t0
-                n = json.loads(line[5:])["meta_info"]["completion_tokens"]
+                chunk = json.loads(line[5:])
+                if "error" in chunk:
+                    res.error = f"stream error: {str(chunk['error'])[:200]}"
+                    break
+                n = chunk["meta_info"]["completion_tokens"]
+                ids = chunk.get("output_ids") or []
+                # SGLang streams cumulative ids unless --incremental-streaming-output.
+                res.output_ids = list(ids) if len(ids) == n else res.output_ids + list(ids)
                 res.token_times += [now] * (n - seen)  # a chunk may carry several tokens
                 seen = n
+                if abort_after is not None and seen >= abort_after:
+                    r.close()
+                    res.aborted = True
+                    break
     except Exception as e:  # noqa: BLE001 - recorded as this request's failure
         res.error = f"{type(e).__name__}: {e}"
-    if not res.error and seen != klass.output_len:
-        res.error = f"{seen} of {klass.output_len} tokens"
+    res.end = time.perf_counter() - t0
+    want = body["sampling_params"]["max_new_tokens"]
+    if not res.error and not res.aborted and seen != want:
+        res.error = f"{seen} of {want} tokens"
     return res
+
+
+async def _one(session, url: str, klass: RequestClass, prompt: list[int], t0: float) -> Result:
+    body = {"input_ids": prompt,
+            "sampling_params": {"max_new_tokens": klass.output_len, "temperature": 0.0, "ignore_eos": True}}
+    return await stream_generate(session, url, body, t0, klass.name)
 
 
 async def _run(url: str, classes: list[RequestClass], seed: int, vocab: int,
