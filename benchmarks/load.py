@@ -32,6 +32,7 @@ import http.client
 import os
 import platform
 import random
+import signal
 import sys
 import tempfile
 import time
@@ -104,18 +105,26 @@ async def drive(url: str, direct_url: str, jobs: list[Job], concurrency: int, on
     conn = aiohttp.TCPConnector(limit=concurrency + 4)
 
     async with aiohttp.ClientSession(timeout=timeout, connector=conn) as session:
-        t0 = time.perf_counter()
+        t0 = last_done = time.perf_counter()
 
         async def client() -> None:
+            nonlocal last_done
             while not queue.empty():
+                if time.perf_counter() - last_done > timeout_s:
+                    break  # nothing completes any more: a stalled stack would take every request's timeout
                 job = queue.get_nowait()
                 res = await stream_generate(session, direct_url if job.direct else url, body(job), t0, job.kind,
                                             job.abort_after, job.abort_delay_s)
                 results[job.index] = res
+                last_done = time.perf_counter() if not res.error else last_done
                 on_done(res)
 
         await asyncio.gather(*(client() for _ in range(concurrency)))
-        return results, time.perf_counter() - t0
+        wall = time.perf_counter() - t0
+        for j in jobs:
+            if results[j.index] is None:
+                results[j.index] = Result(j.kind, wall, error=f"not sent: no request completed for {timeout_s:.0f}s")
+        return results, wall
 
 
 def sample_jobs(jobs: list[Job], k: int) -> list[int]:
@@ -184,6 +193,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--request-timeout-s", type=float, default=300.0, help="a request still open then is an error")
     ap.add_argument("--settle-s", type=float, default=60.0, help="how long pages/threads/fds may take to settle")
     args = ap.parse_args(argv)
+    # Killed (timeout, CI): unwind through the finally blocks that stop the servers.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     n = args.requests or (200 if args.quick else 1000)
     concurrency = args.concurrency or (16 if args.quick else 32)
     args.out.mkdir(parents=True, exist_ok=True)

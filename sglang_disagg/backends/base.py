@@ -323,7 +323,7 @@ class TransferBackend(ABC):
         if self._closed:
             return
         self._closed = True
-        self._table.closed = True
+        self._table.close()
         self._server.close()
         for peer in self.peers():
             peer.close()

@@ -19,7 +19,9 @@ class BackendConfig:
     None: both ends run without one). `handshake_timeout_s`: how long a new connection may
     take to authenticate and say HELLO. `max_connections`: control connections alive at once.
     `batch_timeout_s`: a batch of writes not complete this long after posting fails with
-    DeadlineExceeded (a write whose completion never comes must not hold its future forever)."""
+    DeadlineExceeded (a write whose completion never comes must not hold its future forever).
+    `peer_timeout_s`: a peer that sent nothing at all (not even its heartbeat) for this long is
+    lost: hung or stopped."""
 
     provider: str | None = None
     host: str = "127.0.0.1"
@@ -30,11 +32,12 @@ class BackendConfig:
     handshake_timeout_s: float = 2.0
     max_connections: int = 256
     batch_timeout_s: float = DEFAULT_BATCH_TIMEOUT_S
+    peer_timeout_s: float = 1.8  # + one 0.2 s beat: a stopped peer is lost within 2 s
 
     def __post_init__(self) -> None:
         if self.secret is not None and (not isinstance(self.secret, bytes) or len(self.secret) < 16):
             raise ValueError("secret: need bytes of at least 16 (see sglang_disagg.backends.auth)")
-        for name in ("connect_timeout_s", "handshake_timeout_s", "batch_timeout_s"):
+        for name in ("connect_timeout_s", "handshake_timeout_s", "batch_timeout_s", "peer_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"{name}: must be a positive number of seconds, got {value!r}")

@@ -12,6 +12,11 @@ big-endian length, 1-byte kind, payload, up to MAX_FRAME. A frame of an unknown 
 oversized length, a frame the owner cannot parse (its handler raised), a silent peer
 during the handshake: each closes that connection, with the reason logged and passed to
 `on_lost`; nothing else changes. The server bounds how many connections live at once.
+
+Liveness: admitted peers PING each other (peers.py's heartbeat thread, a few times per
+`peer_timeout_s`); a peer from which nothing at all arrived for `peer_timeout_s` is hung
+or stopped (SIGSTOP, a frozen host: TCP itself still answers) and its connection fails.
+The PINGs come from a thread of their own, so a server busy computing still sends them.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import logging
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 
 from . import auth
@@ -29,8 +35,8 @@ from .errors import PeerLostError, TransferError
 
 logger = logging.getLogger("sglang_disagg.backends")
 
-HELLO, MSG, NOTIFY, BYE = 1, 2, 3, 4
-KIND_NAMES = {HELLO: "HELLO", MSG: "MSG", NOTIFY: "NOTIFY", BYE: "BYE"}
+HELLO, MSG, NOTIFY, BYE, PING = 1, 2, 3, 4, 5
+KIND_NAMES = {HELLO: "HELLO", MSG: "MSG", NOTIFY: "NOTIFY", BYE: "BYE", PING: "PING"}
 _HEADER = struct.Struct("!IB")
 MAX_FRAME = 16 << 20   # an order for 2**20 tokens is ~8 MB of JSON
 MAX_HELLO = 64 << 10
@@ -69,6 +75,8 @@ class ControlConn:
         self._on_frame, self._on_lost, self._on_closed = on_frame, on_lost, on_closed
         self._secret, self._handshake_s = secret, handshake_timeout_s
         self._admitted = False
+        self.last_rx = time.monotonic()   # any frame counts: the peer's PINGs keep it fresh
+        self._fail_reason = ""
         self._send_lock = threading.Lock()
         self._closed = threading.Event()
         self._released = threading.Lock()
@@ -97,6 +105,27 @@ class ControlConn:
                 self.sock.sendall(_HEADER.pack(len(payload), kind) + payload)
         except OSError as e:
             raise PeerLostError(f"control channel send failed: {e}") from e
+
+    def ping(self) -> bool:
+        """Send a PING without ever blocking (the caller watches many connections). False
+        when the peer's receive buffer is full: it is not reading, i.e. hung."""
+        if not self._send_lock.acquire(blocking=False):
+            return True  # a send is in progress: that says as much as a PING
+        try:
+            sent = self.sock.send(_HEADER.pack(0, PING), socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True  # the reader sees the error too, and says why
+        finally:
+            self._send_lock.release()
+        return sent == _HEADER.size  # a partial frame would corrupt the stream: treat as hung
+
+    def fail(self, reason: str) -> None:
+        """End the connection from another thread: the reader stops and reports `reason`."""
+        self._fail_reason = reason
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
 
     def send_json(self, kind: int, obj: dict) -> None:
         self.send(kind, json.dumps(obj).encode())
@@ -138,9 +167,13 @@ class ControlConn:
                 if head is None:
                     break
                 length, kind = _HEADER.unpack(head)
+                self.last_rx = time.monotonic()
                 limit = MAX_FRAME if self._admitted else MAX_HELLO
                 if kind not in KIND_NAMES or length > limit:
                     reason = f"protocol error: frame kind {kind}, length {length} (limit {limit})"
+                    break
+                if kind == PING and length:
+                    reason = "protocol error: PING with a payload"
                     break
                 if not self._admitted and kind not in (HELLO, BYE):
                     reason = f"protocol error: {KIND_NAMES[kind]} before the handshake"
@@ -151,6 +184,8 @@ class ControlConn:
                 if kind == BYE:
                     reason = "peer closed the connection"
                     break
+                if kind == PING:
+                    continue
                 try:
                     self._on_frame(self, kind, payload)
                 except Exception as e:  # noqa: BLE001 - a bad frame costs its connection only
@@ -162,11 +197,12 @@ class ControlConn:
             reason = f"no handshake within {self._handshake_s} s"
         except OSError as e:
             reason = f"connection error: {e}"
+        reason = self._fail_reason or reason
         if not self._closed.is_set():
             self._closed.set()
             self._shut()
             if reason.startswith(("protocol error", "malformed", "authentication", "no handshake", "no auth",
-                                  "peer does not", "peer's control", "peer echoed")):
+                                  "peer does not", "peer's control", "peer echoed", "silent")):
                 logger.warning("control connection %s %s closed: %s", "to" if self.dialed else "from",
                                self.remote, reason)
             self._on_lost(self, reason)

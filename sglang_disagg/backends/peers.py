@@ -18,6 +18,7 @@ import contextlib
 import queue
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -76,6 +77,28 @@ class PeerTable:
         self._accepted: queue.Queue[Peer] = queue.Queue()
         self._inbox: queue.Queue[tuple[Peer, bytes]] = queue.Queue()
         self.closed = False
+        self._stop = threading.Event()
+        self._heartbeat = threading.Thread(target=self._beat, name="control-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    def close(self) -> None:
+        self.closed = True
+        self._stop.set()
+        if threading.current_thread() is not self._heartbeat:
+            self._heartbeat.join(timeout=2.0)
+
+    def _beat(self) -> None:
+        """PING every admitted peer; fail the connection of one that went silent."""
+        limit = self._config.peer_timeout_s
+        while not self._stop.wait(limit / 9):  # a beat every 0.2 s by default
+            now = time.monotonic()
+            with self._lock:
+                conns = list(self._conn_peer)
+            for conn in conns:
+                if now - conn.last_rx > limit:
+                    conn.fail(f"silent for {now - conn.last_rx:.1f} s (peer_timeout_s {limit}): hung or stopped")
+                elif not conn.ping():
+                    conn.fail("its receive buffer is full: it stopped reading (hung or stopped)")
 
     # ----- the backend's public calls ------------------------------------------------
     def connect(self, address: str, timeout_s: float) -> Peer:

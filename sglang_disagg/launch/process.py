@@ -4,6 +4,7 @@ file, health-checked over HTTP, and stopped together with all its children
 
 from __future__ import annotations
 
+import http.client
 import os
 import signal
 import subprocess
@@ -69,7 +70,9 @@ class ManagedProcess:
         try:
             with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
                 return r.status == 200
-        except (urllib.error.URLError, OSError):
+        except (urllib.error.URLError, OSError, http.client.HTTPException):
+            # HTTPException: a probe of a port nobody listens on yet can connect to itself
+            # (the port is in the ephemeral range) and read its own request back.
             return False
 
     def check_alive(self) -> None:

@@ -104,6 +104,13 @@ class Entry:
     times: dict = field(default_factory=dict)  # monotonic timestamps of the lifecycle
 
 
+def _decode_room(req: Any, page_size: int) -> int:
+    """KV tokens a request may still write while decoding (capped as SGLang's own admission
+    caps a request's new tokens), plus one page of rounding."""
+    left = min(req.sampling_params.max_new_tokens or 0, 4096) - len(req.output_ids)
+    return max(0, left) + page_size
+
+
 class DecodeMessenger:
     def __init__(self, cfg: MessengerConfig, scheduler: Any) -> None:
         self.cfg, self.sched = cfg, scheduler
@@ -175,8 +182,10 @@ class DecodeMessenger:
         req.lock = tree.lock(req.last_node)
         prefix = tree.prefix_device_indices(req) if reused else None
         need = (pages_for(e.n_tokens, ps) - reused // ps) * ps
-        # Keep room for the request's own decode, so admitted requests can run.
-        reserve = min(req.sampling_params.max_new_tokens or 0, 4096) + ps
+        # Room for this request's decode and for every decode already promised: pages go to a
+        # new prompt only beyond it, or prompts fill the pool and none of them can run.
+        # (A request whose decode alone cannot fit gets what the pool has, as in SGLang.)
+        reserve = min(_decode_room(req, ps), max(0, alloc.size - need)) + self._promised_room()
         if alloc.available_size() < need + reserve:
             alloc.evict_to_free_tokens(tree, need + reserve)
         slots = alloc.alloc(need) if alloc.available_size() >= need + reserve else None
@@ -195,6 +204,16 @@ class DecodeMessenger:
         e.start_page = reused // ps
         self.stats["pages_reused"] += e.start_page
         return True
+
+    def _promised_room(self) -> int:
+        """KV tokens the requests whose prompt pages this decoder holds may still need to
+        decode: waiting for their writes, handed to SGLang's queue, or running. The same on
+        every rank (SGLang's queues and the entries are)."""
+        ps = self.node.page_size
+        held = [e.req for e in self.entries.values() if e.pages and e.phase in (Phase.ROUTE, Phase.TRANSFER)]
+        queued = [r for r in self.sched.waiting_queue if getattr(r, HANDOFF_ATTR, None)]
+        running = getattr(self.sched.running_batch, "reqs", None) or []
+        return sum(_decode_room(r, ps) for r in held + queued + list(running))
 
     # ----- leader decisions ---------------------------------------------------------
     def leader_inputs(self) -> list[Route]:

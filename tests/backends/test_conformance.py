@@ -394,7 +394,7 @@ def test_stalled_peer_isolated_and_batch_deadline(case, procs: list) -> None:
     another peer; the batch to it fails with DeadlineExceeded at the batch deadline (or
     completes, where the transport needs nothing from the receiver) and leaves no bookkeeping."""
     backend, provider = case
-    opts = {"batch_timeout_s": 2.0}
+    opts = {"batch_timeout_s": 2.0, "peer_timeout_s": 60.0}  # the batch deadline, not the heartbeat
     tx = FaultProc(backend, provider, opts)
     procs.append(tx)
     rx = []
@@ -437,3 +437,28 @@ def test_stalled_peer_isolated_and_batch_deadline(case, procs: list) -> None:
     assert _until(lambda: tx.call("stats")["batches"] == 0), tx.call("stats")
     slow.resume()
     tx.call("ping")
+
+
+@pytest.mark.parametrize("case", case_params())
+def test_a_stopped_peer_is_lost_by_its_silence(case, procs: list) -> None:
+    """A peer that stops (SIGSTOP: TCP still answers for it, nothing else does) sends no
+    heartbeat: it is lost within peer_timeout_s, failing what waits on it; an idle but live
+    peer is never lost (its heartbeats keep it)."""
+    backend, provider = case
+    opts = {"peer_timeout_s": 1.0}
+    a, b = FaultProc(backend, provider, opts), FaultProc(backend, provider, opts)
+    procs += [a, b]
+    peer = a.call("connect", address=b.address)["peer"]
+    b.call("accept")
+    time.sleep(3.0)  # three timeouts of idleness
+    assert a.call("stats")["peers"] == 1 and b.call("stats")["peers"] == 1
+    exp = a.call("expect", tag=7, count=1, peer=peer, wait=False, timeout=60.0)["future"]
+    b.pause()
+    t0 = time.time()
+    try:
+        got = a.call("failed_at", rpc_timeout=15, future=exp, timeout=10.0)
+    finally:
+        b.resume()
+    assert got["type"] == "PeerLostError" and "silent" in got["msg"], got
+    assert got["t"] - t0 < 2.0, got
+    assert _until(lambda: a.call("stats")["peers"] == 0), a.call("stats")

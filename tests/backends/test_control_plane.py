@@ -190,7 +190,7 @@ def test_admitted_peer_sending_bad_notify_or_fuzz_loses_only_its_connection():
         assert be._tracker.arrived(1) == 0
         sock = admitted()
         for i in range(200):
-            kind = rng.choice([control.HELLO, control.NOTIFY, 0, 5, 255])
+            kind = rng.choice([control.HELLO, control.NOTIFY, 0, 6, 255])
             sock.sendall(_frame(kind, rng.randbytes(rng.randrange(0, 64))))
             _closed_within(sock, 3.0)
             sock = admitted()

@@ -151,6 +151,8 @@ def test_a_hung_prefill_server_fails_the_request_by_its_deadline(fs, references)
     _, leak_p = fs.released(fs.p1, t1)
     assert leak_d == 0 and leak_p == 0
     assert fs.carried() == carried + 1  # only the request that succeeded was handed to decoding
+    # Stopped past peer_timeout_s, the woken server was dropped by its silence: its link comes back.
+    wait_for("p1's link back", lambda: fs.links()[fs.addr(fs.p1)]["state"] == "ready", 10, 0.1)
     ok = check_next(fs, references, 3, via=fs.p1)  # and the woken one serves again
     row("4 hung prefill server (SIGSTOP)", tte, leak_d + leak_p, ok, "error at the transfer deadline")
 

@@ -22,7 +22,10 @@ def test_load_bench_small_run_passes_its_checks(tmp_path):
     port = next(_ports)
     next(_ports)  # the colocated reference server takes the ten ports after the stack's
     cmd = [sys.executable, str(ROOT / "benchmarks" / "load.py"), "--out", str(tmp_path), "--requests", "60",
-           "--concurrency", "8", "--abort-fraction", "0.2", "--sample", "12", "--port", str(port)]
+           "--concurrency", "8", "--abort-fraction", "0.2", "--sample", "12", "--port", str(port),
+           # A small KV pool: long prompts and decodes compete for pages (a decoder that handed
+           # out prompt pages without keeping decode room once deadlocked here).
+           "--max-total-tokens", "2048"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     report = tmp_path / "load.json"
     assert report.exists(), f"no report (exit {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
