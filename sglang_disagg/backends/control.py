@@ -107,19 +107,19 @@ class ControlConn:
             raise PeerLostError(f"control channel send failed: {e}") from e
 
     def ping(self) -> bool:
-        """Send a PING without ever blocking (the caller watches many connections). False
-        when the peer's receive buffer is full: it is not reading, i.e. hung."""
+        """Send a PING without ever blocking (the caller watches many connections); skipped
+        while a send is in progress or the send buffer is full (a slow reader is not a dead
+        one: the peer's own silence decides). False only if the frame went out in part,
+        which would corrupt the stream."""
         if not self._send_lock.acquire(blocking=False):
-            return True  # a send is in progress: that says as much as a PING
+            return True
         try:
             sent = self.sock.send(_HEADER.pack(0, PING), socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            return False
-        except OSError:
-            return True  # the reader sees the error too, and says why
+        except OSError:  # BlockingIOError: buffer full; anything else the reader reports
+            return True
         finally:
             self._send_lock.release()
-        return sent == _HEADER.size  # a partial frame would corrupt the stream: treat as hung
+        return sent == _HEADER.size
 
     def fail(self, reason: str) -> None:
         """End the connection from another thread: the reader stops and reports `reason`."""

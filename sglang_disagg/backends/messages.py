@@ -1,5 +1,8 @@
 """The payloads of the control channel's HELLO and NOTIFY frames, checked field by field.
 
+Also the text of the notifications NIXL and Mooncake deliver with a batch (our stand-in for
+immediate data on those transports): ``sgd1 <tag> <count>``.
+
 A HELLO carries the control protocol's version, the backend and provider, the sender's
 instance id, its control address and the backend's endpoint info (or, in reply, a refusal
 ``{"error": reason}``); a NOTIFY credits ``count`` arrivals to ``tag`` for backends without
@@ -53,4 +56,26 @@ def parse_notify(payload: bytes) -> tuple[int, int]:
         raise TransferError(f"NOTIFY tag {tag!r} is not a 32-bit unsigned integer")
     if type(count) is not int or not 0 < count <= MAX_NOTIFY:
         raise TransferError(f"NOTIFY count {count!r} outside 1..{MAX_NOTIFY}")
+    return tag, count
+
+
+NOTIF_PREFIX = "sgd1 "
+
+
+def notif_text(tag: int, count: int) -> str:
+    return f"{NOTIF_PREFIX}{tag} {count}"
+
+
+def parse_notif(msg: str | bytes) -> tuple[int, int] | None:
+    """(tag, count) of one of our batch notifications; None for a message that is not ours.
+    Raises ValueError for one that claims to be ours but is malformed."""
+    text = msg.decode("utf-8", errors="replace") if isinstance(msg, bytes) else msg
+    if not text.startswith(NOTIF_PREFIX):
+        return None
+    fields = text[len(NOTIF_PREFIX):].split()
+    if len(fields) != 2:
+        raise ValueError(f"notification {text[:64]!r}: expected 'sgd1 <tag> <count>'")
+    tag, count = int(fields[0]), int(fields[1])
+    if not 0 <= tag < 2**32 or count < 0:
+        raise ValueError(f"notification {text[:64]!r}: tag or count out of range")
     return tag, count

@@ -24,13 +24,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from .base import TransferBackend
+from .messages import notif_text, parse_notif
 from .errors import BackendUnavailable, DescriptorError, TransferError
 from .peers import Peer
 from .regions import NativeRegistration, PageWrite, RegionDescriptor
 
 MAX_ENTRIES = 512
 MAX_BYTES = 32 << 20
-_NOTIF = "sgd1 "
 log = logging.getLogger(__name__)
 _CODES = {-1: "ERR_INVALID_ARGUMENT or transport failure", -2: "ERR_TOO_MANY_REQUESTS",
           -3: "ERR_ADDRESS_NOT_REGISTERED", -4: "ERR_BATCH_BUSY", -6: "ERR_DEVICE_NOT_FOUND",
@@ -49,20 +49,6 @@ def _import_mooncake() -> Any:
 
 def _rc(what: str, rc: int) -> TransferError:
     return TransferError(f"Mooncake {what} returned {rc} ({_CODES.get(rc, 'see Mooncake log')})")
-
-
-def parse_notif(msg: str) -> tuple[int, int] | None:
-    """(tag, count) of one of our notifications; None for a message that is not ours.
-    Raises ValueError for one that claims to be ours but is malformed."""
-    if not msg.startswith(_NOTIF):
-        return None
-    fields = msg[len(_NOTIF):].split()
-    if len(fields) != 2:
-        raise ValueError(f"notification {msg[:64]!r}: expected 'sgd1 <tag> <count>'")
-    tag, count = int(fields[0]), int(fields[1])
-    if not 0 <= tag < 2**32 or count < 0:
-        raise ValueError(f"notification {msg[:64]!r}: tag or count out of range")
-    return tag, count
 
 
 def split(writes: Sequence[Any], max_entries: int = MAX_ENTRIES, max_bytes: int = MAX_BYTES) -> list[list[Any]]:
@@ -159,7 +145,7 @@ class MooncakeBackend(TransferBackend):
                   [w.length for w in part]) for part in split(writes)]
         q = self._queue_for(peer)
         self._inflight[batch_id] = peer.id
-        q.put((batch_id, peer, parts, f"{_NOTIF}{imm} {len(writes)}"))
+        q.put((batch_id, peer, parts, notif_text(imm, len(writes))))
 
     def _work_loop(self, jobs: queue.Queue) -> None:
         while True:

@@ -23,26 +23,12 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from .base import TransferBackend
+from .messages import notif_text, parse_notif
 from .errors import BackendUnavailable, DescriptorError, PeerLostError, TransferError
 from .peers import Peer
 from .regions import NativeRegistration, PageWrite, RegionDescriptor
 
-_NOTIF = b"sgd1 "
 log = logging.getLogger(__name__)
-
-
-def parse_notif(msg: bytes) -> tuple[int, int] | None:
-    """(tag, count) of one of our notifications; None for a message that is not ours.
-    Raises ValueError for one that claims to be ours but is malformed."""
-    if not msg.startswith(_NOTIF):
-        return None
-    fields = msg[len(_NOTIF):].split()
-    if len(fields) != 2:
-        raise ValueError(f"notification {msg[:64]!r}: expected 'sgd1 <tag> <count>'")
-    tag, count = int(fields[0]), int(fields[1])
-    if not 0 <= tag < 2**32 or count < 0:
-        raise ValueError(f"notification {msg[:64]!r}: tag or count out of range")
-    return tag, count
 
 
 def _import_nixl() -> Any:
@@ -199,7 +185,7 @@ class NixlBackend(TransferBackend):
         regs = self._regions
         local = [(regs[w.src.id][0].addr + w.src_offset, w.length, 0) for w in writes]
         remote = [(w.dst.descriptor.base + w.dst_offset, w.length, 0) for w in writes]
-        note = _NOTIF + f"{imm} {len(writes)}".encode()
+        note = notif_text(imm, len(writes)).encode()
         agent = peer.native  # None once the peer is dropped
         if agent is None:
             raise PeerLostError(f"peer {peer.address} is {peer.state.value}")
@@ -270,7 +256,7 @@ class NixlBackend(TransferBackend):
             name = agent.decode(errors="replace") if isinstance(agent, bytes) else str(agent)
             for m in msgs:
                 try:
-                    got = parse_notif(m if isinstance(m, bytes) else str(m).encode())
+                    got = parse_notif(m if isinstance(m, bytes) else str(m))
                     if got is not None:
                         self._tracker.add(*got)
                         busy = True

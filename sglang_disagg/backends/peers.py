@@ -98,7 +98,7 @@ class PeerTable:
                 if now - conn.last_rx > limit:
                     conn.fail(f"silent for {now - conn.last_rx:.1f} s (peer_timeout_s {limit}): hung or stopped")
                 elif not conn.ping():
-                    conn.fail("its receive buffer is full: it stopped reading (hung or stopped)")
+                    conn.fail("a heartbeat went out in part (the stream would be corrupt)")
 
     # ----- the backend's public calls ------------------------------------------------
     def connect(self, address: str, timeout_s: float) -> Peer:
