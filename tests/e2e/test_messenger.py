@@ -11,6 +11,8 @@ import urllib.request
 
 import pytest
 
+from sglang_disagg.backends import auth
+
 from sglang_disagg.launch import Role, StartupError
 from sglang_disagg.launch.client import RequestError, generate_ids
 from sglang_disagg.messenger.planner import pages_for
@@ -77,10 +79,12 @@ def test_the_prefill_server_serves_decoders_only(stack):
 
 
 def test_first_contact_refuses_a_decoder_running_another_model(tmp_path):
-    prefill = start_stack(tmp_path, StackSpec(role=Role.PREFILL, model="tiny-qwen3"))
+    secret = tmp_path / "secret"  # servers started one by one share the deployment's secret
+    secret.write_text(auth.new_secret())
+    prefill = start_stack(tmp_path, StackSpec(role=Role.PREFILL, model="tiny-qwen3"), secret_file=str(secret))
     try:
         with pytest.raises(StartupError) as err:
-            start_stack(tmp_path, StackSpec(role=Role.DECODE, model="tiny-llama"),
+            start_stack(tmp_path, StackSpec(role=Role.DECODE, model="tiny-llama"), secret_file=str(secret),
                         prefill_messengers=(f"127.0.0.1:{prefill.cfg.ports.bootstrap}",))
         message = str(err.value)
         assert "refused" in message and "model differs" in message

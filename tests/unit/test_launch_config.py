@@ -138,3 +138,19 @@ def test_port_in_use_is_reported_before_starting():
         cfg = LaunchConfig(role=Role.ALL, model="tiny-llama", port=port)
         with pytest.raises(PreflightError, match=rf"{port + 2} \(decode server\)"):
             check_ports_free(cfg)
+
+
+def test_servers_started_one_by_one_need_the_deployments_secret(tmp_path, monkeypatch):
+    from sglang_disagg.backends import auth
+    from sglang_disagg.launch import Stack
+
+    monkeypatch.delenv(auth.SECRET_ENV, raising=False)
+    with pytest.raises(ValueError, match="shared secret"):
+        Stack.for_config(LaunchConfig(role=Role.PREFILL, model="tiny-llama", log_dir=str(tmp_path)))
+    with pytest.raises(ValueError, match="--secret-file.*cannot read"):
+        Stack.for_config(LaunchConfig(role=Role.DECODE, model="tiny-llama", log_dir=str(tmp_path),
+                                      prefill_messengers=("127.0.0.1:30003",), secret_file=str(tmp_path / "none")))
+    stack = Stack.for_config(LaunchConfig(role=Role.ALL, model="tiny-llama", log_dir=str(tmp_path / "all")))
+    secret = tmp_path / "all" / "secret"  # --role all makes its own, private, and hands it to both servers
+    assert secret.stat().st_mode & 0o077 == 0 and auth.load_secret({auth.SECRET_FILE_ENV: str(secret)})
+    assert all(dict(p.spec.env)[auth.SECRET_FILE_ENV] == str(secret) for p in stack.servers)
