@@ -39,10 +39,12 @@ def test_the_first_layer_is_written_before_the_last_layer_of_its_forward_ends(st
     stats = _counters(stack, "prefill", lambda s: any(r["tokens"] == 700 for r in s["recent"]))
     assert stats["streaming"]
     r = next(r for r in reversed(stats["recent"]) if r["tokens"] == 700)
-    # Times of the order's last chunk: layer 0's writes had landed while the forward still
-    # ran layers 1..3, and the last layer was posted before the forward returned.
-    assert r["layer0_written"] < r["forward_end"], r
-    assert r["layer0_posted"] < r["last_layer_posted"] <= r["forward_end"], r
+    # Times of the order's last chunk: layer 0's writes were posted and had landed while the
+    # forward still ran layers 1..3. When the last layer is posted relative to the forward's
+    # return is a race between two threads on a busy machine (the last counter bump comes
+    # microseconds before the return), so it is only ordered after layer 0.
+    assert r["layer0_posted"] < r["layer0_written"] < r["forward_end"], r
+    assert r["layer0_posted"] <= r["last_layer_posted"], r
 
 
 def test_writes_posted_before_the_kv_exists_give_different_tokens(tmp_path, references):
