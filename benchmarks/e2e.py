@@ -6,13 +6,14 @@ SGLang PD vs the messenger, on the same cores, one configuration after the other
         [--long-rate 0.1 --long-count 5 --long-input 2048 --long-output 4]
 
 Each configuration is started with the launcher (`--role colocated`, or `--role all` which
-pins its prefill server and its decode server to their own halves of the cores; the split is
-written in the results), then gets (1) the chats alone, the decode-only baseline, and (2)
-the chats with the long prompts arriving meanwhile (Poisson arrivals, load_client.py).
+pins its prefill server and its decode server to their own halves of the cores; the router and
+this client share the prefill server's; the split is written in the results), then gets
+(1) the chats alone, the decode-only baseline, and (2) the chats with the long prompts
+arriving meanwhile (Poisson arrivals, load_client.py).
 Writes DIR/e2e.json (one row per configuration: TTFT/ITL p50/p99/max of the chats under
-the mixed load, ITL p50 of the chats alone, tokens/s per user and in total, requests
-ok/failed, and for the messenger the transfer tail) and DIR/e2e.png (ITL over time, TTFT
-and ITL CDFs).
+the mixed load, ITL p50/p99 of the chats alone, tokens/s per user and in total, requests
+ok/failed, the configuration's start-up time, and for the messenger the transfer tail) and
+DIR/e2e.png (ITL over time, TTFT and ITL CDFs).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def measure(stack: Stack, chat: RequestClass, long: RequestClass, bar) -> tuple[
         "ttft_p50_ms": ms(pct([r.ttft for r in chats], 50)), "ttft_p99_ms": ms(pct([r.ttft for r in chats], 99)),
         "long_ttft_p50_ms": ms(pct([r.ttft for r in ok if r.klass == "long"], 50)),
         "itl_p50_ms": ms(pct(itls, 50)), "itl_p99_ms": ms(pct(itls, 99)), "itl_max_ms": ms(max(itls, default=None)),
-        "itl_alone_p50_ms": ms(pct(alone_itls, 50)),
+        "itl_alone_p50_ms": ms(pct(alone_itls, 50)), "itl_alone_p99_ms": ms(pct(alone_itls, 99)),
         # Median: a client that got its tokens in one burst (no streaming) has no decode rate.
         "tokens_per_s_per_user": round(statistics.median(per_user), 2) if per_user else None,
         "tokens_per_s_total": round(sum(len(r.token_times) for r in ok) / span, 2) if span > 0 else None,
@@ -112,22 +113,30 @@ def main(argv: list[str]) -> int:
     from tqdm import tqdm
 
     rows, timelines = [], {}
+    all_cores = os.sched_getaffinity(0)
     bar = tqdm(total=len(configs) * (2 * chat.count + long.count), unit="req", desc="e2e")
     for name in configs:
         cfg = dataclasses.replace(launch_config(name, args.model, args.port, logs, max_total_tokens=16384),
                                   pin_cores=True)
-        split = ("all cores: " + ",".join(map(str, server_cores(cfg, Role.COLOCATED))) if cfg.role is Role.COLOCATED
-                 else f"prefill cores {server_cores(cfg, Role.PREFILL)}, decode cores {server_cores(cfg, Role.DECODE)}")
+        colocated = cfg.role is Role.COLOCATED
+        # The client and the router share the prefill server's cores: the decode server's run
+        # decoding only, as on a dedicated decode node. Colocated, everything shares all cores.
+        client_cores = server_cores(cfg, Role.COLOCATED if colocated else Role.PREFILL)
+        split = ("all cores: " + ",".join(map(str, client_cores)) + " (with the client)" if colocated
+                 else f"prefill cores {client_cores} (with the router and the client), "
+                      f"decode cores {server_cores(cfg, Role.DECODE)}")
         bar.set_postfix_str(f"starting {name}")
         stack = Stack.for_config(cfg)
         stack.start()
         try:
             bar.set_postfix_str(name)
+            os.sched_setaffinity(0, client_cores)
             row, mixed = measure(stack, chat, long, bar)
-            row = {"config": name, "cores": split, **row}
+            row = {"config": name, "cores": split, "startup_s": round(stack.startup_s, 2), **row}
             if cfg.role is Role.ALL and cfg.mode.value == "messenger":
                 row["transfer_tail_ms"] = transfer_tail(stack)
         finally:
+            os.sched_setaffinity(0, all_cores)
             stack.stop()
         rows.append(row)
         timelines[name] = [(t, x) for r in mixed if r.klass == "chat" for t, x in zip(r.token_times[1:], r.itls)]

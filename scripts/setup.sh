@@ -65,6 +65,10 @@ if ! $PY -m sglang_disagg.patches apply; then
   $PY -m sglang_disagg.patches apply
 fi
 
+# Our own modules' bytecode, written once: every server process imports them, and
+# with PYTHONDONTWRITEBYTECODE set each one would compile them again.
+$PY -m compileall -q sglang_disagg >/dev/null
+
 # 6. The default built-in model (random weights), so the first start is not slowed by it.
 $PY -m sglang_disagg.models tiny-llama >/dev/null
 log "ready: $VENV"

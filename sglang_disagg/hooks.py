@@ -74,6 +74,22 @@ def client_abort_delay_s() -> float:
         return 2.0
 
 
+SUBPROCESS_START_ENV = "SGLANG_DISAGG_SUBPROCESS_START"
+
+
+def subprocess_start_method(device: str) -> str:
+    """How a server starts its scheduler and detokenizer processes (upstream: always spawn).
+    Spawned, each re-imports torch and SGLang (~10 s of CPU apiece here); forked from the
+    server process, which has imported them already, they start at once. The launcher sets
+    fork on CPU: there is no CUDA context to inherit, the server process has one Python
+    thread when it forks, and OpenBLAS (numpy's one native thread pool) is fork-safe. On
+    other devices spawn stays, whatever is asked."""
+    method = os.environ.get(SUBPROCESS_START_ENV, "spawn")
+    if method not in ("spawn", "fork"):
+        raise ValueError(f"{SUBPROCESS_START_ENV}={method!r}: write spawn or fork")
+    return method if device == "cpu" else "spawn"
+
+
 def _make_nixl_agent(make: Any) -> Any:
     from sglang_disagg.backends.nixl import progress_delay
 

@@ -74,7 +74,8 @@ def _parser() -> argparse.ArgumentParser:
                          "or set SGLANG_DISAGG_SECRET)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--pin-cores", action="store_true",
-                    help="--role all on CPU: pin the prefill and the decode server to their own half of the cores")
+                    help="--role all on CPU: pin the prefill server (with the router) and the decode server "
+                         "to their own half of the cores")
     ap.add_argument("--tp", type=int, default=None, help="TP size of a single-server role")
     ap.add_argument("--prefill-tp", type=int, default=1)
     ap.add_argument("--decode-tp", type=int, default=1)

@@ -72,7 +72,8 @@ def server_cores(cfg: LaunchConfig, role: Role) -> list[int]:
 
 
 def _pinned(cfg: LaunchConfig, role: Role) -> tuple[int, ...]:
-    """--pin-cores: each server of `--role all` on its own cores (its children inherit them)."""
+    """--pin-cores: each server of `--role all` on its own cores (its children inherit them);
+    the router shares the prefill server's."""
     if not cfg.pin_cores or cfg.device != "cpu" or cfg.role is not Role.ALL:
         return ()
     return tuple(server_cores(cfg, role))
@@ -220,15 +221,27 @@ def _split_url(url: str, default_bootstrap: int | None) -> list[str]:
     return [base] + ([str(default_bootstrap)] if default_bootstrap else [])
 
 
+def launcher_registered_workers(cfg: LaunchConfig) -> list[str]:
+    """Workers the launcher adds to its router itself (POST /workers) once they are healthy:
+    a messenger `--role all` starts its router together with its servers, so the router's
+    Python start-up (~6 s of imports) overlaps theirs; given on its command line instead, a
+    worker not up yet is retried with a growing back-off (1, 2, 3, 4 s...) that costs seconds."""
+    if cfg.role is Role.ALL and cfg.mode is Mode.MESSENGER:
+        return [f"http://{cfg.host}:{cfg.ports.decode}"]
+    return []
+
+
 def router_spec(cfg: LaunchConfig) -> ProcessSpec:
     ports = cfg.ports
     decodes = [f"http://{cfg.host}:{ports.decode}"] if cfg.role is Role.ALL else list(cfg.decode_urls)
+    late = launcher_registered_workers(cfg)
     argv = [sys.executable, "-m", "sglang_router.launch_router", "--host", cfg.host, "--port", str(ports.front),
             # its metrics listener defaults to 0.0.0.0:29000: keep it on our host and port range
             "--prometheus-host", cfg.host, "--prometheus-port", str(ports.router_metrics)]
     if cfg.mode is Mode.MESSENGER:
         # Regular mode in front of the decoders only: each decoder finds its prefill server.
-        argv += ["--worker-urls", *decodes]
+        if not late:
+            argv += ["--worker-urls", *decodes]
     else:
         if cfg.role is Role.ALL:
             prefills = [[f"http://{cfg.host}:{ports.prefill}", str(ports.bootstrap)]]
@@ -242,4 +255,6 @@ def router_spec(cfg: LaunchConfig) -> ProcessSpec:
     # The router's own health checks and retries would hide a dead worker for
     # tens of seconds; fail fast and let the client see the error.
     argv += ["--health-check-interval-secs", "2", "--health-failure-threshold", "2"]
-    return ProcessSpec("router", tuple(argv), _env(cfg, Role.ROUTER, 1), ports.front)
+    # Pinned with the prefill server: a decode server's cores run decoding only, as on a
+    # dedicated decode node, and the router's work lands where a prefill stall costs no ITL.
+    return ProcessSpec("router", tuple(argv), _env(cfg, Role.ROUTER, 1), ports.front, _pinned(cfg, Role.PREFILL))

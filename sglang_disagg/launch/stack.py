@@ -1,8 +1,9 @@
 """A set of processes started, health-checked and stopped together.
 
 ``Stack.for_config(cfg)`` builds the processes a role needs on this machine:
-``all`` = prefill + decode (started concurrently) then the sglang-router in PD
-mode; ``colocated`` / ``prefill`` / ``decode`` = one server; ``router`` = the
+``all`` = prefill + decode (started concurrently) and the sglang-router (in
+messenger mode started with them and given the decoder once it is healthy; upstream, in PD
+mode, once both servers are); ``colocated`` / ``prefill`` / ``decode`` = one server; ``router`` = the
 router in front of remote workers. ``start()`` returns once the front door
 answers a real request, or raises ``StartupError`` with the failing process's
 log tail; ``stop()`` (or leaving the ``with`` block) tears everything down.
@@ -16,8 +17,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from sglang_disagg.launch.client import RequestError, generate_ids
-from sglang_disagg.launch.commands import router_spec, server_spec
+from sglang_disagg.launch.client import RequestError, generate_ids, post_json
+from sglang_disagg.launch.commands import launcher_registered_workers, router_spec, server_spec
 from sglang_disagg.launch.config import LaunchConfig, Mode, Role
 from sglang_disagg.launch.preflight import check_patches_applied, check_ports_free
 from sglang_disagg.messenger.links import REFUSED_MARK
@@ -71,14 +72,20 @@ class Stack:
         t0 = time.monotonic()
         deadline = t0 + self.cfg.startup_timeout_s
         try:
+            late = launcher_registered_workers(self.cfg)
             for p in self.servers:
                 p.start()
+            if self.router and late:
+                self.router.start()  # its start-up overlaps the servers'; they are added below
             self._wait(self.servers, deadline, progress)
             if self.cfg.role is Role.DECODE and self.cfg.mode is Mode.MESSENGER:
                 self._wait_links(self.servers[0], min(deadline, time.monotonic() + LINK_WAIT_S), progress)
             if self.router:
-                self.router.start()
+                if not late:
+                    self.router.start()
                 self._wait([self.router], deadline, progress)
+                for url in late:
+                    post_json(f"{self.router.url}/workers", {"url": url}, timeout=10)
                 self._wait_routable(deadline, progress)
         except BaseException:
             self.stop()
@@ -158,7 +165,7 @@ class Stack:
                 last_err = str(e)
                 if REFUSED_MARK in last_err:  # first contact refused: retrying cannot help
                     raise StartupError(f"the decoder cannot use its prefill server: {last_err}") from None
-                time.sleep(1)
+                time.sleep(0.25)
         raise StartupError(f"router on {self.url} never routed a request: {last_err}\n" + log_tail(self.router.log_path))
 
     def stop(self, drain_s: float = 0.0) -> None:

@@ -38,18 +38,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 
-from . import wire
+from . import admission, wire
 from .config import MessengerConfig
 from .faults import Fault
 from .inputs import Route
-from .kvpool import page_ids
 from .links import Links, LinkState
 from .metrics import Cause, scheduler_state
 from ..backends import PeerLostError
 from .node import Node
-from .planner import ShardPlan, pages_for
+from .planner import ShardPlan
 from .requests import HANDOFF_ATTR, LOCK_ATTR, abort_matches, fail_request, release
 
 logger = logging.getLogger("sglang_disagg.messenger")
@@ -104,13 +102,6 @@ class Entry:
     times: dict = field(default_factory=dict)  # monotonic timestamps of the lifecycle
 
 
-def _decode_room(req: Any, page_size: int) -> int:
-    """KV tokens a request may still write while decoding (capped as SGLang's own admission
-    caps a request's new tokens), plus one page of rounding."""
-    left = min(req.sampling_params.max_new_tokens or 0, 4096) - len(req.output_ids)
-    return max(0, left) + page_size
-
-
 class DecodeMessenger:
     def __init__(self, cfg: MessengerConfig, scheduler: Any) -> None:
         self.cfg, self.sched = cfg, scheduler
@@ -136,7 +127,7 @@ class DecodeMessenger:
     # ----- intake -------------------------------------------------------------------
     def take(self, req: Any) -> bool:
         n = len(req.origin_input_ids) - 1
-        local_reason = self._runs_locally(req, n)
+        local_reason = admission.runs_locally(req, n)
         if local_reason:
             self.stats["requests_local"] += 1
             self.node.metrics.requests.labels("local").inc()
@@ -147,73 +138,16 @@ class DecodeMessenger:
         self.entries[e.seq] = e
         return True
 
-    @staticmethod
-    def _runs_locally(req: Any, n: int) -> str:
-        if req.finished() or req.to_finish is not None:
-            return "already finished (rejected at intake)"
-        if n < 1:
-            return "a 1-token prompt is its own first decode step"
-        if getattr(req, "multimodal_inputs", None) is not None or getattr(req, "input_embeds", None) is not None:
-            return "multimodal or embedding input"
-        if req.return_logprob and 0 <= req.logprob_start_len < n:
-            return "input logprobs need the prompt's logits"
-        if getattr(req, "session", None) is not None:
-            return "session request"
-        return ""
-
     def _allocate(self, e: Entry) -> bool:
-        """Pages for the prompt minus its last token, the same on every rank. What this
-        decoder's radix tree already holds of it (earlier turns of a chat) is reused and
-        locked; only the pages after it are allocated and asked of a prefill server."""
-        from sglang.srt.mem_cache.common import match_kv_cache
-
-        sched, req, tree = self.sched, e.req, self.sched.tree_cache
-        alloc = sched.token_to_kv_pool_allocator
+        held = [x.req for x in self.entries.values() if x.pages and x.phase in (Phase.ROUTE, Phase.TRANSFER)]
         ps = self.node.page_size
-        if sched.req_to_token_pool.available_size() < 1:
+        got = admission.allocate(self.sched, e.req, e.n_tokens, ps, self.cfg.reuse_prefix,
+                                 admission.promised_room(self.sched, held, ps))
+        if got is None:
             return False
-        if self.cfg.reuse_prefix:
-            match_kv_cache(req, tree, req.origin_input_ids[:e.n_tokens], max_prefix_len=e.n_tokens)
-        else:  # every prompt comes whole from a prefill server (a benchmark baseline)
-            req.last_node = req.last_host_node = req.best_match_node = tree.root_node_handle(req.extra_key)
-            req.prefix_len = req.host_hit_length = req.num_matched_prefix_tokens = 0
-        reused = req.prefix_len - req.prefix_len % ps  # whole pages: the transfer unit
-        req.prefix_len = reused
-        req.lock = tree.lock(req.last_node)
-        prefix = tree.prefix_device_indices(req) if reused else None
-        need = (pages_for(e.n_tokens, ps) - reused // ps) * ps
-        # Room for this request's decode and for every decode already promised: pages go to a
-        # new prompt only beyond it, or prompts fill the pool and none of them can run.
-        # (A request whose decode alone cannot fit gets what the pool has, as in SGLang.)
-        reserve = min(_decode_room(req, ps), max(0, alloc.size - need)) + self._promised_room()
-        if alloc.available_size() < need + reserve:
-            alloc.evict_to_free_tokens(tree, need + reserve)
-        slots = alloc.alloc(need) if alloc.available_size() >= need + reserve else None
-        if slots is None and need:
-            tree.unlock(req.lock)
-            req.lock, req.prefix_len = None, 0
-            return False
-        sched.req_to_token_pool.alloc([req])
-        row = (req.kv.req_pool_idx, slice(0, e.n_tokens))
-        fresh = slots[:e.n_tokens - reused] if need else slots
-        sched.req_to_token_pool.write(row, torch.cat([prefix, fresh]) if reused else fresh)
-        req.kv.kv_allocated_len = req.kv.kv_committed_len = e.n_tokens
-        req.kv.cache_protected_len = reused  # the tree owns [0, reused)
-        pages = page_ids(prefix.tolist(), ps) if reused else []
-        e.pages = tuple(pages + (page_ids(slots.tolist(), ps) if need else []))
-        e.start_page = reused // ps
+        e.pages, e.start_page = got.pages, got.start_page
         self.stats["pages_reused"] += e.start_page
         return True
-
-    def _promised_room(self) -> int:
-        """KV tokens the requests whose prompt pages this decoder holds may still need to
-        decode: waiting for their writes, handed to SGLang's queue, or running. The same on
-        every rank (SGLang's queues and the entries are)."""
-        ps = self.node.page_size
-        held = [e.req for e in self.entries.values() if e.pages and e.phase in (Phase.ROUTE, Phase.TRANSFER)]
-        queued = [r for r in self.sched.waiting_queue if getattr(r, HANDOFF_ATTR, None)]
-        running = getattr(self.sched.running_batch, "reqs", None) or []
-        return sum(_decode_room(r, ps) for r in held + queued + list(running))
 
     # ----- leader decisions ---------------------------------------------------------
     def leader_inputs(self) -> list[Route]:

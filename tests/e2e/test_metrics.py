@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import threading
 import time
-import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from sglang_disagg.launch.client import generate_ids
 from sglang_disagg.messenger.planner import pages_for
 from sglang_disagg.models import BUILTIN_MODELS
+
+from . import faultlib
+from .faultlib import value
 
 pytestmark = pytest.mark.e2e
 
@@ -22,14 +23,7 @@ LAYERS, PAGE = 4, 16  # tiny-llama
 
 def scrape(stack, role: str) -> dict[tuple, float]:
     port = stack.cfg.ports.prefill_metrics if role == "prefill" else stack.cfg.ports.decode_metrics
-    with urllib.request.urlopen(f"http://{stack.cfg.host}:{port}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    return {(s.name,) + tuple(sorted(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def value(samples: dict, name: str, **labels) -> float:
-    return samples.get((name,) + tuple(sorted(labels.items())), 0.0)
+    return faultlib.scrape(stack.cfg.host, port)
 
 
 def test_a_request_moves_both_servers_metrics(stack):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import struct
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +15,16 @@ from sglang_disagg.patches.installed import MARKER
 
 VERSION_PY = "sglang/version.py"
 LINE = "# sglang-disagg: test patch\n"
+
+
+def bytecode_is_fresh(src: Path) -> bool:
+    """The interpreter would use the cached .pyc instead of compiling the source again."""
+    pyc = Path(importlib.util.cache_from_source(str(src)))
+    if not pyc.exists():
+        return False
+    flags, mtime, size = struct.unpack("<III", pyc.read_bytes()[4:16])
+    st = src.stat()
+    return flags == 0 and mtime == int(st.st_mtime) & 0xFFFFFFFF and size == st.st_size & 0xFFFFFFFF
 
 
 def test_apply_is_idempotent(
@@ -28,6 +40,7 @@ def test_apply_is_idempotent(
     res = cli(*repo, "apply", "--site-packages", str(sp))
     assert res.rc == 0 and "applied 1 patch(es)" in res.out and VERSION_PY in res.out
     assert (sp / VERSION_PY).read_text() == pristine + LINE
+    assert bytecode_is_fresh(sp / VERSION_PY)  # patched modules are not compiled again in every process
     marker = json.loads((sp / "sglang" / MARKER).read_text())
     assert marker["patches"] == ["test-mark-version.py.patch"] and marker["upstream_version"] == NEW
 

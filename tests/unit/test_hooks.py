@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from sglang_disagg.hooks import nixl_agent_for_device
+import pytest
+
+from sglang_disagg.hooks import SUBPROCESS_START_ENV, nixl_agent_for_device, subprocess_start_method
+from sglang_disagg.launch import Role
+from sglang_disagg.launch.__main__ import parse
+from sglang_disagg.launch.commands import server_spec
 
 
 class RecordingAgent:
@@ -32,3 +37,22 @@ def test_nixl_agent_on_cpu_registers_dram():
 def test_nixl_agent_on_gpu_is_untouched():
     agent = RecordingAgent()
     assert nixl_agent_for_device(agent, "cuda") is agent
+
+
+def test_servers_fork_their_subprocesses_on_cpu_only(monkeypatch):
+    monkeypatch.delenv(SUBPROCESS_START_ENV, raising=False)
+    assert subprocess_start_method("cpu") == "spawn"  # upstream's, unless asked
+    monkeypatch.setenv(SUBPROCESS_START_ENV, "fork")
+    assert subprocess_start_method("cpu") == "fork"
+    assert subprocess_start_method("cuda") == "spawn"  # a CUDA context must not be inherited
+    monkeypatch.setenv(SUBPROCESS_START_ENV, "forkserver")
+    with pytest.raises(ValueError, match="write spawn or fork"):
+        subprocess_start_method("cpu")
+
+
+@pytest.mark.parametrize("role", [Role.PREFILL, Role.DECODE])
+def test_the_launcher_asks_cpu_servers_to_fork(role):
+    cfg, _ = parse(["--role", "all"])
+    assert dict(server_spec(cfg, role, "/m", builtin=True).env)[SUBPROCESS_START_ENV] == "fork"
+    colocated, _ = parse(["--role", "colocated"])  # the baseline starts the same way
+    assert dict(server_spec(colocated, Role.COLOCATED, "/m", builtin=True).env)[SUBPROCESS_START_ENV] == "fork"

@@ -10,7 +10,7 @@ from sglang_disagg.launch import LaunchConfig, Mode, Role
 from sglang_disagg.messenger.config import ENV as MESSENGER_ENV
 from sglang_disagg.messenger.config import MessengerConfig
 from sglang_disagg.launch.__main__ import parse
-from sglang_disagg.launch.commands import router_spec, server_spec
+from sglang_disagg.launch.commands import launcher_registered_workers, router_spec, server_spec
 from sglang_disagg.launch.preflight import PreflightError, check_ports_free
 
 
@@ -55,7 +55,7 @@ def test_messenger_is_the_default_mode():
     assert MessengerConfig.from_json(dict(decode.env)[MESSENGER_ENV]).prefill == ("127.0.0.1:40003",)
     router = router_spec(cfg)
     assert "--pd-disaggregation" not in router.argv
-    assert _flag(router.argv, "--worker-urls") == "http://127.0.0.1:40002"  # decoders only
+    assert launcher_registered_workers(cfg) == ["http://127.0.0.1:40002"]  # decoders only
 
 
 def test_messenger_backends_come_from_the_registry():
@@ -85,8 +85,20 @@ def test_pin_cores_pins_each_server_of_role_all_to_its_half(monkeypatch):
     cfg, _ = parse(["--role", "all", "--pin-cores"])
     assert server_spec(cfg, Role.PREFILL, "/m", builtin=True).cpus == (0, 1, 2, 3)
     assert server_spec(cfg, Role.DECODE, "/m", builtin=True).cpus == (4, 5, 6, 7)
+    assert router_spec(cfg).cpus == (0, 1, 2, 3)  # decode cores run decoding only
     unpinned, _ = parse(["--role", "all"])
     assert server_spec(unpinned, Role.PREFILL, "/m", builtin=True).cpus == ()
+    assert router_spec(unpinned).cpus == ()
+
+
+def test_a_messenger_stack_adds_its_decoder_to_its_router_itself():
+    cfg, _ = parse(["--role", "all", "--port", "30000"])
+    assert launcher_registered_workers(cfg) == ["http://127.0.0.1:30002"]
+    assert "--worker-urls" not in router_spec(cfg).argv  # the router starts with no worker
+    remote, _ = parse(["--role", "router", "--decode-url", "http://10.0.0.2:30002"])
+    assert launcher_registered_workers(remote) == []
+    argv = list(router_spec(remote).argv)
+    assert argv[argv.index("--worker-urls") + 1] == "http://10.0.0.2:30002"
 
 
 def test_servers_answer_health_probes_without_the_scheduler_and_by_model_name():
