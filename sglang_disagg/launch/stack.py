@@ -85,13 +85,20 @@ class Stack:
                     self.router.start()
                 self._wait([self.router], deadline, progress)
                 for url in late:
-                    post_json(f"{self.router.url}/workers", {"url": url}, timeout=10)
+                    self._add_worker(url)
                 self._wait_routable(deadline, progress)
         except BaseException:
             self.stop()
             raise
         self.startup_s = time.monotonic() - t0
         (self.log_dir / "ports.txt").write_text("".join(f"{x}\n" for x in listening(self)))
+
+    def _add_worker(self, url: str) -> None:
+        try:
+            post_json(f"{self.router.url}/workers", {"url": url}, timeout=10)
+        except (RequestError, OSError) as e:
+            raise StartupError(f"the router on {self.router.url} did not take worker {url}: {e}\n"
+                               + log_tail(self.router.log_path)) from None
 
     def _wait(self, procs: list[ManagedProcess], deadline: float, progress: Progress | None) -> None:
         pending = list(procs)

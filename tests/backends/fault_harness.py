@@ -4,20 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-import tempfile
 
-from transfer_harness import ENV, HERE, Pair, Proc
+from transfer_harness import Pair, Proc
 
 
 class FaultProc(Proc):
     def __init__(self, backend: str, provider: str | None, options: dict | None = None) -> None:
-        self.log = tempfile.NamedTemporaryFile(prefix="fault-worker-", suffix=".log", delete=False)
-        self.p = subprocess.Popen([sys.executable, str(HERE / "fault_worker.py")], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, stderr=self.log, env=ENV, text=True, bufsize=1)
-        self.address = self.call("init", rpc_timeout=30, backend=backend, provider=provider,
-                                 options=options or {})["address"]
+        super().__init__(backend, provider, worker="fault_worker.py", options=options or {})
 
     def pause(self) -> None:
         os.kill(self.p.pid, signal.SIGSTOP)

@@ -35,11 +35,12 @@ class WorkerError(AssertionError):
 class Proc:
     """Client side of tests/backends/transfer_worker.py."""
 
-    def __init__(self, backend: str, provider: str | None) -> None:
-        self.log = tempfile.NamedTemporaryFile(prefix="transfer-worker-", suffix=".log", delete=False)
-        self.p = subprocess.Popen([sys.executable, str(HERE / "transfer_worker.py")], stdin=subprocess.PIPE,
+    def __init__(self, backend: str, provider: str | None, worker: str = "transfer_worker.py", **init) -> None:
+        self.log = tempfile.NamedTemporaryFile(prefix=Path(worker).stem.replace("_", "-") + "-", suffix=".log",
+                                               delete=False)
+        self.p = subprocess.Popen([sys.executable, str(HERE / worker)], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, stderr=self.log, env=ENV, text=True, bufsize=1)
-        self.address = self.call("init", rpc_timeout=30, backend=backend, provider=provider)["address"]
+        self.address = self.call("init", rpc_timeout=30, backend=backend, provider=provider, **init)["address"]
 
     def call(self, op: str, rpc_timeout: float = 15.0, **kw) -> dict:
         if self.p.poll() is not None:
