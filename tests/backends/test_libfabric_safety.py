@@ -114,3 +114,22 @@ def test_raising_callback_keeps_the_poller_alive() -> None:
     finally:
         tx.close()
         rx.close()
+
+
+def test_a_killed_process_region_with_our_pid_does_not_block_the_shm_endpoint(tmp_path) -> None:
+    """A SIGKILLed process leaves /dev/shm/<pid>:<domain>:<ep>; a later process given that pid
+    could not open its shm endpoint (fi_enable: Device or resource busy)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import os\n"
+        "for ep in range(4):\n"
+        "    with open(f'/dev/shm/{os.getpid()}:0:{ep}', 'wb') as f: f.write(os.urandom(1 << 16))\n"
+        "from sglang_disagg.backends import BackendConfig, create_backend\n"
+        "be = create_backend('libfabric', BackendConfig(provider='shm'))\n"
+        "print('opened', be.fi_info['prov'])\n"
+        "be.close()\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "opened shm" in r.stdout, r.stderr[-2000:]

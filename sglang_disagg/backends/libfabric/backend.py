@@ -10,7 +10,9 @@ offsets), FI_MR_PROV_KEY (provider-chosen keys travel in the descriptor), FI_MR_
 from __future__ import annotations
 
 import base64
+import glob
 import logging
+import os
 import threading
 import time
 import weakref
@@ -44,6 +46,29 @@ def _need_shim() -> None:
         raise BackendUnavailable(
             "libfabric shim not built (" + _IMPORT_ERROR + "): install Debian libfabric-dev and run "
             "`pip install -e . --no-build-isolation --no-deps` (or `pip install .`)")
+
+
+_swept = {"pid": 0}
+_sweep_lock = threading.Lock()
+
+
+def _sweep_dead_namesakes() -> None:
+    """libfabric shm keeps each endpoint's queues in /dev/shm/<pid>:<domain>:<endpoint> and
+    leaves the file behind when its process is killed. pids come round again (pid_max is
+    often 32768), and a process given a dead one's pid then cannot open an endpoint
+    (fi_enable: Device or resource busy; seen in CI). Before this process's first shm
+    endpoint, every file named with its pid can only be a dead process's: remove them."""
+    with _sweep_lock:
+        pid = os.getpid()
+        if _swept["pid"] == pid:
+            return
+        _swept["pid"] = pid
+        for path in glob.glob(f"/dev/shm/{pid}:*"):
+            try:
+                os.unlink(path)
+                log.info("libfabric shm: removed %s, left by a killed process that had our pid", path)
+            except OSError:
+                pass
 
 
 class _Errbuf:
@@ -115,6 +140,8 @@ class LibfabricBackend(TransferBackend):
         self._start_poller()
 
     def _open_endpoint(self) -> Any:
+        if self.provider == "shm":
+            _sweep_dead_namesakes()
         ep, err = ffi.new("shim_ep **"), _Errbuf()
         node = self._node(self.provider, self.config.host)
         if lib.shim_open(PROVIDERS[self.provider].encode(), node or ffi.NULL, ep, err.buf, 256):
