@@ -31,10 +31,6 @@ def models_dir() -> Path:
 # - MC_FORCE_TCP: Mooncake would otherwise probe RDMA devices.
 # - UCX_*: NIXL's UCX must stay on loopback; sm/cma move the data between
 #   local processes, tcp carries the wire-up.
-# - SGLANG_DISAGG_SUBPROCESS_START=fork: a server's scheduler and detokenizer
-#   processes are forked from it instead of spawned to import torch and SGLang
-#   again (hooks.subprocess_start_method); measured on 2 cores, --role all was
-#   ready in 22 s instead of 46 s and a colocated server in 17 s instead of 27 s.
 CPU_SERVER_ENV: dict[str, str] = {
     "SGLANG_USE_CPU_ENGINE": "1",
     "SGLANG_HOST_IP": "127.0.0.1",
@@ -44,5 +40,4 @@ CPU_SERVER_ENV: dict[str, str] = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
-    "SGLANG_DISAGG_SUBPROCESS_START": "fork",
 }

@@ -14,7 +14,6 @@ import glob
 import logging
 import os
 import threading
-import time
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -27,9 +26,6 @@ from ..regions import MemoryRegion, NativeRegistration, PageWrite, PeerState, Re
 PROVIDERS = {"shm": "shm", "tcp": "tcp;ofi_rxm", "net": "net", "efa": "efa", "verbs": "verbs;ofi_rxm",
              "sockets": "sockets"}
 _EVENTS = 256
-# How long a lost shm peer's in-flight writes may take before the endpoint counts as blocked
-# behind them: a live peer (dropped connection) answers in milliseconds, a dead one never.
-SHM_LOST_PEER_GRACE_S = 0.5
 _POLL_US = 2000
 _EV_BATCH, _EV_IMM, _EV_ASYNC, _EV_TAG_FAILED = 1, 2, 3, 4
 log = logging.getLogger(__name__)
@@ -192,27 +188,6 @@ class LibfabricBackend(TransferBackend):
             finally:
                 self._healing = False
 
-    def _heal_if_blocked(self, ep: Any, native: int, address: str, pending: int) -> None:
-        """A lost peer's writes still in flight: a peer that is alive (only its control
-        connection dropped) completes them within milliseconds and nothing is blocked; a dead
-        one never answers, and then the endpoint is replaced. Replacing it under a live peer's
-        writes is what must not happen: shm's progress then faulted on the peer's queues."""
-        deadline = time.monotonic() + SHM_LOST_PEER_GRACE_S
-        while time.monotonic() < deadline and not self._closed and self._ep is ep:
-            if not lib.shim_peer_batches(ep, native):
-                self._healing = False
-                return
-            time.sleep(0.01)
-        if self._closed or self._ep is not ep:
-            self._healing = False
-            return
-        self._poisoned = (
-            f"shm endpoint unusable: peer {address} was lost with {pending} batch(es) in flight that "
-            f"{SHM_LOST_PEER_GRACE_S} s later had not completed; libfabric shm consumes write responses in order, "
-            "so the dead peer's never-answered response blocks every later non-inject write (head-of-line); "
-            "the endpoint is being replaced")
-        self._replace_endpoint()
-
     def _endpoint_info(self) -> dict[str, Any]:
         buf, n, err = ffi.new("char[512]"), ffi.new("size_t *", 512), _Errbuf()
         _check(lib.shim_getname(self._ep, buf, n, err.buf, 256), err, "fi_getname")
@@ -241,10 +216,15 @@ class LibfabricBackend(TransferBackend):
         pending = lib.shim_abandon_peer(self._ep, peer.native)
         if pending:
             self._stale_addrs += 1
-            if self.provider == "shm" and not self._healing and not self._closed:
-                self._healing = True
-                threading.Thread(target=self._heal_if_blocked, args=(self._ep, peer.native, peer.address, pending),
-                                 name="libfabric-heal", daemon=True).start()
+            if self.provider == "shm":
+                self._poisoned = (
+                    f"shm endpoint unusable: peer {peer.address} was lost with {pending} batch(es) in flight; "
+                    "libfabric shm consumes write responses in order, so the dead peer's never-answered "
+                    "response blocks every later non-inject write (head-of-line); the endpoint is being "
+                    "replaced")
+                if not self._healing and not self._closed:
+                    self._healing = True
+                    threading.Thread(target=self._replace_endpoint, name="libfabric-replace", daemon=True).start()
         elif self.provider == "shm" and peer.state is PeerState.LOST:
             # A dead shm sender may still have commands in our queue that point into its
             # region: keep it mapped (one AV slot per lost peer, freed at close).

@@ -644,15 +644,6 @@ int shim_abandon_batch(shim_ep *e, uint64_t batch_id) {
     return k;
 }
 
-int shim_peer_batches(shim_ep *e, uint64_t peer) {
-    int k = 0;
-    if (enter(e, NULL, 0)) return 0;
-    for (struct shim_batch *b = e->live.next; b != &e->live; b = b->next)
-        if (b->peer == peer) k++;
-    leave(e);
-    return k;
-}
-
 int shim_live_batches(shim_ep *e) {
     int k = 0;
     if (enter(e, NULL, 0)) return 0;

@@ -44,8 +44,6 @@ int shim_post(shim_ep *ep, uint64_t batch_id, uint64_t peer, size_t n,
 int shim_poll(shim_ep *ep, shim_event *ev, int cap, int timeout_us);
 int shim_abandon_peer(shim_ep *ep, uint64_t peer);
 int shim_abandon_batch(shim_ep *ep, uint64_t batch_id);
-/* Batches to `peer` whose writes the provider still holds (abandoned ones included). */
-int shim_peer_batches(shim_ep *ep, uint64_t peer);
 int shim_live_batches(shim_ep *ep);
 int64_t shim_bench(shim_ep *ep, uint64_t peer, size_t n, const uint64_t *mr,
                    const uint64_t *src_off, const uint64_t *raddr, const uint64_t *rkey,
