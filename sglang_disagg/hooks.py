@@ -82,10 +82,9 @@ def subprocess_start_method(device: str) -> str:
     Spawned, each re-imports torch and SGLang (~10 s of CPU apiece here); forked from the
     server process, which has imported them already, they start at once (on CPU only: no
     CUDA context to inherit; the server process has one Python thread when it forks, and
-    OpenBLAS, numpy's one native thread pool, is fork-safe). Opt-in, not the launcher's
-    default yet: with forked schedulers the fault tests of the libfabric shm backend failed
-    in 2 of 3 CI runs (a crash inside libfabric's progress after a dropped connection, and a
-    prefill server that stopped writing), never with spawned ones."""
+    OpenBLAS, numpy's one native thread pool, is fork-safe). SGLang alone keeps spawning; the
+    launcher asks CPU servers to fork (launch/commands.py) unless the user's environment
+    says spawn."""
     method = os.environ.get(SUBPROCESS_START_ENV, "spawn")
     if method not in ("spawn", "fork"):
         raise ValueError(f"{SUBPROCESS_START_ENV}={method!r}: write spawn or fork")

@@ -133,3 +133,49 @@ def test_a_killed_process_region_with_our_pid_does_not_block_the_shm_endpoint(tm
     )
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "opened shm" in r.stdout, r.stderr[-2000:]
+
+
+def test_closing_a_peer_whose_expired_writes_are_in_flight_keeps_its_region_mapped(procs: list) -> None:
+    """A batch to a stopped receiver passes its deadline (its writes stay the provider's), then
+    the writer closes that peer. shm handles each write's response by locking the receiver's
+    region, so removing the address then would unmap it and the writer's progress would fault
+    on the late response (SIGSEGV in pthread_spin_trylock, seen in CI with the decoder alive
+    and its control connection dropped). The writer must keep the address, replace its
+    head-of-line-blocked endpoint, survive the late response and write to a new peer."""
+    from fault_harness import FaultProc
+    from transfer_harness import Proc
+
+    opts = {"batch_timeout_s": 1.0, "peer_timeout_s": 60.0}
+    tx, rx = FaultProc("libfabric", "shm", opts), FaultProc("libfabric", "shm", opts)
+    procs += [tx, rx]
+    peer = tx.call("connect", address=rx.address)["peer"]
+    rx.call("accept")
+    remote = tx.call("add_remote", peer=peer, desc=rx.call("alloc", size=4 << 20)["desc"])["remote"]
+    src = tx.call("alloc", size=4 << 20, seed=3)["region"]
+    tx.call("write", peer=peer, region=src, remote=remote, imm=1, writes=[[0, 0, 4096]], wait=10.0)
+    rx.pause()
+    try:
+        late = tx.call("write", peer=peer, region=src, remote=remote, imm=2, wait=None,
+                       writes=[[i << 20, i << 20, 1 << 20] for i in range(4)])["future"]
+        assert tx.call("failed_at", rpc_timeout=15, future=late, timeout=8.0)["type"] == "DeadlineExceeded"
+        tx.call("close_peer", peer=peer)
+    finally:
+        rx.resume()  # rx now reads the writes and answers into tx's response queue
+    time.sleep(0.5)
+    assert tx.p.poll() is None, "the writer died handling a late response"
+    assert _until(lambda: not tx.call("stats")["poisoned"]), tx.call("stats")
+    assert tx.call("stats")["endpoints_replaced"] == 1
+    other = Proc("libfabric", "shm")
+    procs.append(other)
+    p2 = tx.call("connect", address=other.address)["peer"]
+    other.call("accept")
+    r2 = tx.call("add_remote", peer=p2, desc=other.call("alloc", size=1 << 20)["desc"])["remote"]
+    tx.call("write", peer=p2, region=src, remote=r2, imm=3, writes=[[0, 0, 65536]], wait=10.0)
+    other.call("expect", tag=3, count=1, timeout=5.0)
+
+
+def _until(fn, timeout: float = 5.0):
+    end = time.monotonic() + timeout
+    while not (v := fn()) and time.monotonic() < end:
+        time.sleep(0.05)
+    return v

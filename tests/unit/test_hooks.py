@@ -50,7 +50,10 @@ def test_servers_fork_their_subprocesses_on_cpu_only(monkeypatch):
         subprocess_start_method("cpu")
 
 
-@pytest.mark.parametrize("role", [Role.PREFILL, Role.DECODE])
-def test_the_launcher_leaves_forking_opt_in(role):
-    cfg, _ = parse(["--role", "all"])
-    assert SUBPROCESS_START_ENV not in dict(server_spec(cfg, role, "/m", builtin=True).env)
+@pytest.mark.parametrize("role", [Role.PREFILL, Role.DECODE, Role.COLOCATED])
+def test_the_launcher_asks_cpu_servers_to_fork_unless_told_otherwise(role, monkeypatch):
+    monkeypatch.delenv(SUBPROCESS_START_ENV, raising=False)
+    cfg, _ = parse(["--role", "colocated" if role is Role.COLOCATED else "all"])
+    assert dict(server_spec(cfg, role, "/m", builtin=True).env)[SUBPROCESS_START_ENV] == "fork"
+    monkeypatch.setenv(SUBPROCESS_START_ENV, "spawn")  # the user's word wins
+    assert dict(server_spec(cfg, role, "/m", builtin=True).env)[SUBPROCESS_START_ENV] == "spawn"

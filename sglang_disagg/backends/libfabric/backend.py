@@ -207,7 +207,10 @@ class LibfabricBackend(TransferBackend):
     def _native_disconnect(self, peer: Peer) -> None:
         if peer.native is None:
             return
-        if self._shim_closed:  # the AV went with the endpoint
+        if self._shim_closed or self._healing:
+            # The AV went (or goes) with the endpoint. While it is being replaced the old
+            # poller may still be reading responses: removing an address now would unmap a
+            # region that shm's response handling touches (SIGSEGV, seen in CI).
             peer.native = None
             return
         # In-flight writes to a dead peer may never complete (shm): the shim frees them

@@ -625,8 +625,11 @@ int shim_abandon_peer(shim_ep *e, uint64_t peer) {
         }
         if (e->n_dead < e->cap_dead) e->dead[e->n_dead++] = peer;
     }
+    /* Count batches abandoned earlier (expired) too: their writes are still the provider's,
+     * and shm touches the peer's region when their responses come, so the address must
+     * stay in the AV (and, the peer being gone, they block later responses) just the same. */
     for (struct shim_batch *b = e->live.next; b != &e->live; b = b->next)
-        if (b->peer == peer && !b->abandoned) { b->abandoned = 1; k++; }
+        if (b->peer == peer) { if (!b->internal) b->abandoned = 1; k++; }
     leave(e);
     return k;
 }
