@@ -11,8 +11,9 @@ this client share the prefill server's; the split is written in the results), th
 (1) the chats alone, the decode-only baseline, and (2) the chats with the long prompts
 arriving meanwhile (Poisson arrivals, load_client.py).
 Writes DIR/e2e.json (one row per configuration: TTFT/ITL p50/p99/max of the chats under
-the mixed load, ITL p50/p99 of the chats alone, tokens/s per user and in total, requests
-ok/failed, the configuration's start-up time, and for the messenger the transfer tail) and
+the mixed load, ITL p50/p99 of the chats alone (the same chat arrivals), both again by how
+many requests were decoding, tokens/s per user and in total, requests ok/failed, the
+configuration's start-up time, and for the messenger the transfer tail) and
 DIR/e2e.png (ITL over time, TTFT and ITL CDFs).
 """
 
@@ -53,8 +54,9 @@ def ms(x: float | None) -> float | None:
 
 
 def measure(stack: Stack, chat: RequestClass, long: RequestClass, bar) -> tuple[dict, list[Result]]:
-    alone = run(stack.url, [chat], seed=2, on_done=lambda r: bar.update(1))
-    mixed = run(stack.url, [chat, long], seed=3, on_done=lambda r: bar.update(1))
+    # The same chat arrivals both times (other prompts, so the second run reuses no prefix).
+    alone = run(stack.url, [chat], seed=2, prompt_seed=2, on_done=lambda r: bar.update(1))
+    mixed = run(stack.url, [chat, long], seed=2, prompt_seed=3, on_done=lambda r: bar.update(1))
     chats = [r for r in mixed if r.klass == "chat" and not r.error]
     itls = [x for r in chats for x in r.itls]
     alone_itls = [x for r in alone if not r.error for x in r.itls]
@@ -73,8 +75,23 @@ def measure(stack: Stack, chat: RequestClass, long: RequestClass, bar) -> tuple[
         "tokens_per_s_total": round(sum(len(r.token_times) for r in ok) / span, 2) if span > 0 else None,
         "requests_ok": len(ok), "requests_failed": len(mixed) - len(ok),
         "errors": sorted({r.error for r in mixed if r.error})[:3],
+        "itl_by_decoding_alone": by_decoding(alone), "itl_by_decoding_mixed": by_decoding(mixed),
     }
     return row, mixed
+
+
+def by_decoding(results: list[Result]) -> dict[str, dict]:
+    """Chat ITL p50/p99 by how many requests were decoding when the token came (first to last
+    token, as the client saw them): a decode step's time grows with its batch, so this tells
+    a step that is slow because of its batch from one slowed by something else."""
+    spans = [(r.token_times[0], r.token_times[-1]) for r in results if len(r.token_times) > 1]
+    groups: dict[int, list[float]] = {}
+    for r in results:
+        if r.klass == "chat" and not r.error:
+            for t, x in zip(r.token_times[1:], r.itls):
+                groups.setdefault(sum(a <= t <= b for a, b in spans), []).append(x)
+    return {str(n): {"p50_ms": ms(pct(v, 50)), "p99_ms": ms(pct(v, 99)), "count": len(v)}
+            for n, v in sorted(groups.items())}
 
 
 def transfer_tail(stack: Stack) -> float | None:

@@ -103,17 +103,18 @@ async def _one(session, url: str, klass: RequestClass, prompt: list[int], t0: fl
     return await stream_generate(session, url, body, t0, klass.name)
 
 
-async def _run(url: str, classes: list[RequestClass], seed: int, vocab: int,
+async def _run(url: str, classes: list[RequestClass], seed: int, prompt_seed: int, vocab: int,
                on_done: Callable[[Result], None]) -> list[Result]:
     import aiohttp
 
-    rng = random.Random(seed)
     plan = []  # (arrival time, class, prompt), every class its own Poisson process
     for k in classes:
+        # Seeded per class: a class arrives at the same times whatever other classes run.
+        arrivals, prompts = random.Random(f"{seed}:{k.name}"), random.Random(f"prompts:{prompt_seed}:{k.name}")
         t = 0.0
         for _ in range(k.count):
-            t += rng.expovariate(k.rate)
-            plan.append((t, k, _prompt(rng, k.input_len, vocab)))
+            t += arrivals.expovariate(k.rate)
+            plan.append((t, k, _prompt(prompts, k.input_len, vocab)))
     plan.sort(key=lambda p: p[0])
     timeout = aiohttp.ClientTimeout(total=1800)
     async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -130,5 +131,7 @@ async def _run(url: str, classes: list[RequestClass], seed: int, vocab: int,
 
 
 def run(url: str, classes: list[RequestClass], seed: int = 1, vocab: int = 4000,
-        on_done: Callable[[Result], None] = lambda r: None) -> list[Result]:
-    return asyncio.run(_run(url, classes, seed, vocab, on_done))
+        on_done: Callable[[Result], None] = lambda r: None, prompt_seed: int | None = None) -> list[Result]:
+    """`seed` draws the arrival times, `prompt_seed` (default: `seed`) the prompts: two runs
+    with one seed and different prompt seeds offer the same load without sharing a prefix."""
+    return asyncio.run(_run(url, classes, seed, seed if prompt_seed is None else prompt_seed, vocab, on_done))

@@ -32,16 +32,12 @@ DEFAULT_CONFIGS = ["colocated", "messenger:libfabric:shm", "colocated+spawn", "m
 
 
 def start_once(name: str, model: str, port: int, logs: Path) -> dict:
-    events: list[tuple[float, str]] = []
     stack = Stack.for_config(launch_config(name, model, port, logs))
-    t0 = time.monotonic()
     try:
-        stack.start(progress=lambda msg: events.append((round(time.monotonic() - t0, 2), msg)))
+        stack.start()
     finally:
         stack.stop()
-    phases = {msg.split(" healthy")[0] + " healthy" if " healthy" in msg else msg.split(" on ")[0]: t
-              for t, msg in events if " healthy" in msg or msg.startswith("router routes")}
-    return {"startup_s": round(stack.startup_s, 2), "phases_s": phases}
+    return {"startup_s": round(stack.startup_s, 2), "phases_s": dict(stack.phases)}
 
 
 def main(argv: list[str]) -> int:

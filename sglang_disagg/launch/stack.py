@@ -40,6 +40,8 @@ class Stack:
         self.log_dir = log_dir
         self.model_path = model_path
         self.startup_s: float | None = None
+        self.phases: dict[str, float] = {}  # "<name> healthy", "routable": seconds since start()
+        self._t0 = 0.0
 
     @classmethod
     def for_config(cls, cfg: LaunchConfig) -> Stack:
@@ -69,7 +71,8 @@ class Stack:
         if self.cfg.role is not Role.ROUTER:
             check_patches_applied()
         check_ports_free(self.cfg)
-        t0 = time.monotonic()
+        t0 = self._t0 = time.monotonic()
+        self.phases = {}
         deadline = t0 + self.cfg.startup_timeout_s
         try:
             late = launcher_registered_workers(self.cfg)
@@ -93,6 +96,9 @@ class Stack:
         self.startup_s = time.monotonic() - t0
         (self.log_dir / "ports.txt").write_text("".join(f"{x}\n" for x in listening(self)))
 
+    def _phase(self, name: str) -> None:
+        self.phases[name] = round(time.monotonic() - self._t0, 2)
+
     def _add_worker(self, url: str) -> None:
         try:
             post_json(f"{self.router.url}/workers", {"url": url}, timeout=10)
@@ -108,6 +114,7 @@ class Stack:
                 p.check_alive()
                 if p.healthy():
                     pending.remove(p)
+                    self._phase(f"{p.spec.name} healthy")
                     if progress:
                         progress(f"{p.spec.name} healthy on {p.url} after {time.monotonic() - p.started_at:.0f}s")
             now = time.monotonic()
@@ -119,7 +126,7 @@ class Stack:
                 last_report = now
                 progress("waiting for " + ", ".join(f"{p.spec.name} ({now - p.started_at:.0f}s)" for p in pending))
             if pending:
-                time.sleep(0.5)
+                time.sleep(0.25)
 
     def restart(self, name: str, progress: Progress | None = None) -> None:
         """Start one server of the stack again (after it died or was killed) and wait until it
@@ -165,6 +172,7 @@ class Stack:
             try:
                 # Two tokens: in messenger mode a 1-token prompt never leaves the decoder.
                 generate_ids(self.url, [1, 2], 1, timeout=30)
+                self._phase("routable")
                 if progress:
                     progress(f"router routes requests on {self.url}")
                 return

@@ -169,17 +169,36 @@ class PrefillMessenger:
         # A decoder whose control connection dropped says Hello again: keep our connection to
         # it when that one lives (closing it would fail the decoder's transfers from us).
         kept = old.peers.get(0) if old is not None else None
-        try:  # one connection to the decoder's messenger, which holds every decode rank's regions
-            if kept is not None and kept.state is PeerState.CONNECTED and kept.id == hello.ranks[0].instance:
-                peer = kept
-            else:
-                peer = self.backend.connect(hello.ranks[0].address, self.cfg.connect_timeout_s)
-            for d, endpoint in enumerate(hello.ranks):
-                link.peers[d] = peer
-                link.remote[d] = [peer.add_remote_region(desc) for desc in endpoint.regions]
+        try:
+            self._connect(link, kept if kept is not None and kept.id == hello.ranks[0].instance else None)
         except Exception as e:  # noqa: BLE001 - orders from this decoder will fail with it
             link.error = f"cannot reach decoder {hello.decoder}: {e}"
             logger.error("messenger: %s", link.error)
+
+    def _connect(self, link: DecoderLink, kept: Any = None) -> None:
+        """One data connection to the decoder's messenger, which holds every decode rank's
+        regions (leader). `kept` is reused while it lives."""
+        if kept is not None and kept.state is PeerState.CONNECTED:
+            peer = kept
+        else:
+            peer = self.backend.connect(link.hello.ranks[0].address, self.cfg.connect_timeout_s)
+        for d, endpoint in enumerate(link.hello.ranks):
+            link.peers[d] = peer
+            link.remote[d] = [peer.add_remote_region(desc) for desc in endpoint.regions]
+
+    def _reconnect_if_lost(self, link: DecoderLink) -> None:
+        """The data connection can be lost while the control connection lives (the decoder
+        gave up on a prefill server that was stopped, then came back): connect again before
+        writing this order, or every later order from that decoder would fail. A failure here
+        is the order's, when its writes are posted (as on every rank)."""
+        peer = link.peers.get(0)
+        if peer is None or peer.state is PeerState.CONNECTED:
+            return
+        try:
+            self._connect(link)
+            logger.warning("messenger: data connection to decoder %s was lost; connected again", link.hello.decoder)
+        except Exception as e:  # noqa: BLE001
+            logger.error("messenger: decoder %s: data connection lost and not restored: %s", link.hello.decoder, e)
 
     def _admit(self, item: OrderTicket) -> None:
         from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
@@ -195,6 +214,8 @@ class PrefillMessenger:
             rec.failed = link.error if link else "unknown decoder"
             rec.held = True  # nothing to release: step() answers the decoder
             return
+        if self.ranks.is_leader:
+            self._reconnect_if_lost(link)
         params = SamplingParams(max_new_tokens=0, temperature=0.0)
         params.normalize(self.sched.tokenizer)
         self.sched.handle_generate_request(TokenizedGenerateReqInput(

@@ -174,6 +174,28 @@ def test_closing_a_peer_whose_expired_writes_are_in_flight_keeps_its_region_mapp
     other.call("expect", tag=3, count=1, timeout=5.0)
 
 
+@pytest.mark.parametrize("provider", ["shm", "tcp"])
+def test_a_post_to_an_address_outside_the_endpoints_av_fails_at_once(provider: str) -> None:
+    """A writer that read a peer's address just before the endpoint was replaced posts it to
+    the new endpoint, whose AV never held it: shm answers -FI_EAGAIN for a peer it cannot map,
+    which stalled the writer for the 10 s post back-off (seen once in CI). The shim refuses."""
+    from sglang_disagg.backends.libfabric.backend import ffi, lib
+
+    be = create_backend("libfabric", BackendConfig(provider=provider))
+    try:
+        buf = ctypes.create_string_buffer(4096)
+        src, _ = be.register(ctypes.addressof(buf), 4096)
+        arrays = [ffi.new("uint64_t[]", [x]) for x in (be._handle(src), 0, 0, 0, 4096)]
+        err = ffi.new("char[256]")
+        t0 = time.monotonic()
+        ret = lib.shim_post(be._ep, 1, 7, 1, *arrays, 5, err, 256)
+        assert ret < 0 and "address vector" in ffi.string(err).decode(), (ret, ffi.string(err))
+        assert time.monotonic() - t0 < 1.0
+        assert be.stats()["native_batches"] == 0
+    finally:
+        be.close()
+
+
 def _until(fn, timeout: float = 5.0):
     end = time.monotonic() + timeout
     while not (v := fn()) and time.monotonic() < end:

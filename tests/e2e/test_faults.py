@@ -7,7 +7,8 @@ or a re-routed request that succeeds), no page or request left held on the serve
 live, no decode from incomplete KV (the decoder's carried count moves only for requests
 that succeed), and the next request token-exact against the colocated reference. Each case
 prints one `fault-matrix |` row. The cases run in this order on one stack, the destructive
-ones last: a hung prefill server, a dropped control connection, a killed prefill server
+ones last: a hung prefill server, a dropped control connection, dropped data connections
+(the next request connects again), a killed prefill server
 (the decoder re-routes what it had not received any write of), a killed decoder (restarted).
 """
 
@@ -17,6 +18,7 @@ import subprocess
 import threading
 import time
 import types
+import urllib.request
 
 import pytest
 
@@ -173,6 +175,26 @@ def test_a_dropped_control_connection_fails_the_request_at_once(fs, references):
     wait_for("the link back up", lambda: fs.links()[fs.addr(fs.p1)]["state"] == "ready", 5, 0.1)
     ok = check_next(fs, references, 4, via=fs.p1)
     row("3 control connection dropped (ss -K)", tte, leak_d + leak_p, ok, "link reconnected")
+
+
+def test_a_dropped_data_connection_is_made_again_by_the_next_request(fs, references):
+    """Only the data connections drop (the prefill servers' backends to the decoder's; the
+    control links live, so no decoder says Hello again): the next request through each
+    prefill server connects again and is served, token-exact."""
+    decoder = fs.d.messenger_stats("decode")["address"]
+    t0 = time.monotonic()
+    subprocess.run(["ss", "-K", "dst", "127.0.0.1", "dport", "=", f":{decoder.rsplit(':', 1)[1]}"],
+                   capture_output=True, check=True)
+    assert fs.links()[fs.addr(fs.p1)]["state"] == "ready"
+    # Prompt 4 again (the next test needs 5 and 6 unseen): the decoder forgets its cached copy,
+    # so it asks p1 for every page. p2 connects again in the next test (request b).
+    with urllib.request.urlopen(urllib.request.Request(fs.d.servers[0].url + "/flush_cache", method="POST"),
+                                timeout=10) as r:
+        assert r.status == 200
+    ok = check_next(fs, references, 4, via=fs.p1)
+    _, leak_d = fs.released(fs.d, t0)
+    assert leak_d == 0
+    row("3b data connections dropped (ss -K)", time.monotonic() - t0, leak_d, ok, "reconnected by the next order")
 
 
 def test_a_killed_prefill_server_fails_what_it_wrote_and_reroutes_the_rest(fs, references):

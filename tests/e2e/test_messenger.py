@@ -65,6 +65,15 @@ def test_a_one_token_prompt_never_leaves_the_decoder(stack):
     assert after["requests_carried"] == before["requests_carried"]
 
 
+def test_the_stack_records_when_each_part_became_ready(stack):
+    """First contact in order: both servers healthy, then the router, then a routed request
+    (benchmarks/startup.py reports these phases)."""
+    p = stack.phases
+    assert set(p) == {"prefill healthy", "decode healthy", "router healthy", "routable"}, p
+    assert max(p["prefill healthy"], p["decode healthy"]) <= p["router healthy"] <= p["routable"], p
+    assert p["routable"] <= stack.startup_s
+
+
 def test_the_openai_model_id_is_the_models_name(stack):
     with urllib.request.urlopen(stack.url + "/v1/models", timeout=10) as r:
         models = json.load(r)["data"]

@@ -59,6 +59,8 @@ struct imm_count { uint32_t tag; uint64_t count; };
 struct tag_err { uint32_t tag; int status; char msg[192]; };
 struct mr_slot { struct fid_mr *mr; void *buf; size_t len; void *desc; uint32_t gen; };
 
+struct addr_set { uint64_t *v; size_t n, cap; };
+
 struct shim_ep {
     pthread_mutex_t lock;
     pthread_cond_t idle;             /* signalled when `users` drops to 0 while closing */
@@ -82,13 +84,29 @@ struct shim_ep {
     struct shim_op recv_ops[N_RECV];
     char async_msg[192]; int async_status;
     int64_t last_activity;           /* ns; last post or completion, drives idle back-off */
-    uint64_t *dead; size_t n_dead, cap_dead;  /* abandoned peers: posts to them are refused */
+    struct addr_set dead;            /* abandoned peers: posts to them are refused */
+    struct addr_set known;           /* in this endpoint's AV: posts to any other address are refused */
     struct tag_err *tag_errs; size_t n_tag_errs, cap_tag_errs;  /* failed remote writes, by tag */
 };
 
-static int is_dead(shim_ep *e, uint64_t peer) {
-    for (size_t i = 0; i < e->n_dead; i++) if (e->dead[i] == peer) return 1;
+static int set_has(const struct addr_set *s, uint64_t a) {
+    for (size_t i = 0; i < s->n; i++) if (s->v[i] == a) return 1;
     return 0;
+}
+
+static void set_add(struct addr_set *s, uint64_t a) {
+    if (set_has(s, a)) return;
+    if (s->n == s->cap) {
+        size_t cap = s->cap ? 2 * s->cap : 16;
+        uint64_t *p = realloc(s->v, cap * sizeof *p);
+        if (!p) return;
+        s->v = p; s->cap = cap;
+    }
+    s->v[s->n++] = a;
+}
+
+static void set_del(struct addr_set *s, uint64_t a) {
+    for (size_t i = 0; i < s->n; i++) if (s->v[i] == a) { s->v[i] = s->v[--s->n]; return; }
 }
 
 static void set_err(char *err, size_t len, const char *what, int ret) {
@@ -270,7 +288,7 @@ static void close_fids(shim_ep *e);
 
 /* Frees the struct; only for an endpoint nobody else can reach (failed open, shim_free). */
 static void destroy(shim_ep *e) {
-    free(e->mrs); free(e->imms); free(e->dead); free(e->tag_errs);
+    free(e->mrs); free(e->imms); free(e->dead.v); free(e->known.v); free(e->tag_errs);
     pthread_cond_destroy(&e->idle);
     pthread_mutex_destroy(&e->lock);
     free(e);
@@ -403,9 +421,10 @@ int shim_av_insert(shim_ep *e, const void *addr, size_t addrlen, uint64_t *fi_ad
     if (ret) return ret;
     if ((ret = enter(e, err, errlen))) return ret;
     ret = fi_av_insert(e->av, addr, 1, &a, 0, NULL);
-    if (ret == 1)  /* an AV slot freed by fi_av_remove may come back for a new peer */
-        for (size_t i = 0; i < e->n_dead; i++)
-            if (e->dead[i] == a) e->dead[i] = e->dead[--e->n_dead];
+    if (ret == 1) {  /* an AV slot freed by fi_av_remove may come back for a new peer */
+        set_del(&e->dead, a);
+        set_add(&e->known, a);
+    }
     leave(e);
     if (ret != 1) {
         set_err(err, errlen, "fi_av_insert", ret < 0 ? ret : -FI_EADDRNOTAVAIL);
@@ -420,6 +439,7 @@ int shim_av_remove(shim_ep *e, uint64_t fi_addr, char *err, size_t errlen) {
     int ret = enter(e, err, errlen);
     if (ret) return ret;
     ret = fi_av_remove(e->av, &a, 1, 0);
+    if (!ret) set_del(&e->known, a);
     leave(e);
     if (ret) set_err(err, errlen, "fi_av_remove", ret);
     return ret;
@@ -555,11 +575,19 @@ int shim_post(shim_ep *e, uint64_t batch_id, uint64_t peer, size_t n,
     if (!b) { set_err(err, errlen, "alloc", -FI_ENOMEM); return -FI_ENOMEM; }
     int ret = enter(e, err, errlen);
     if (ret) { free(b); return ret; }
-    if (is_dead(e, peer)) {  /* lost between Python's check and here: post nothing */
+    if (set_has(&e->dead, peer)) {  /* lost between Python's check and here: post nothing */
         leave(e);
         free(b);
         set_err(err, errlen, "shim_post: peer was lost", -FI_ECONNRESET);
         return -FI_ECONNRESET;
+    }
+    if (!set_has(&e->known, peer)) {
+        /* An address of another endpoint (ours was replaced after the caller read it): shm
+         * answers -FI_EAGAIN for a peer it cannot map, so posting would stall, not fail. */
+        leave(e);
+        free(b);
+        set_err(err, errlen, "shim_post: peer is not in this endpoint's address vector", -FI_EADDRNOTAVAIL);
+        return -FI_EADDRNOTAVAIL;
     }
     ret = n ? post_locked(e, b, n, mr, src_off, raddr, rkey, len, imm, err, errlen) : 0;
     if (n == 0) { b->next = e->done_head; e->done_head = b; }
@@ -617,14 +645,7 @@ int shim_poll(shim_ep *e, shim_event *ev, int cap, int timeout_us) {
 int shim_abandon_peer(shim_ep *e, uint64_t peer) {
     int k = 0;
     if (enter(e, NULL, 0)) return 0;
-    if (!is_dead(e, peer)) {
-        if (e->n_dead == e->cap_dead) {
-            size_t cap = e->cap_dead ? 2 * e->cap_dead : 16;
-            uint64_t *p = realloc(e->dead, cap * sizeof *p);
-            if (p) { e->dead = p; e->cap_dead = cap; }
-        }
-        if (e->n_dead < e->cap_dead) e->dead[e->n_dead++] = peer;
-    }
+    set_add(&e->dead, peer);
     /* Count batches abandoned earlier (expired) too: their writes are still the provider's,
      * and shm touches the peer's region when their responses come, so the address must
      * stay in the AV (and, the peer being gone, they block later responses) just the same. */
