@@ -23,6 +23,9 @@ Module map:
 - ``links``     a decoder's links to prefill servers (first contact, health, load)
 - ``decode`` / ``prefill``  the two sides; each module docstring states its
   scheduler-side / worker-side contract
+- ``admission`` which requests a decoder carries, and the pages they get
+- ``entry``     a decoder request's phases; the leader's decisions about a failed one
+- ``intake``    the prefill leader's front door: decoders' messages checked and queued
 - ``orders``    what a prefill rank keeps per decoder and per order
 - ``layers``    the per-layer counter (a hook after each attention output projection)
 - ``stream``    the prefill's worker thread posting each layer's writes as the counter moves

@@ -30,20 +30,18 @@ to a live server is not enough: that server might still write into the pages).
 from __future__ import annotations
 
 import collections
-import enum
 import itertools
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 from typing import Any
-
 
 from . import admission, wire
 from .config import MessengerConfig
+from .entry import CANCEL_TIMEOUT_S, Cancel, Entry, Lost, Phase, Release, lost_verdict, release_step
 from .faults import Fault
 from .inputs import Route
-from .links import Links, LinkState
+from .links import Links
 from .metrics import Cause, scheduler_state
 from ..backends import PeerLostError
 from .node import Node
@@ -52,54 +50,7 @@ from .requests import HANDOFF_ATTR, LOCK_ATTR, abort_matches, fail_request, rele
 
 logger = logging.getLogger("sglang_disagg.messenger")
 
-CANCEL_TIMEOUT_S = 5.0
-LOST_VERDICT_S = 1.0  # how long a request lost before any write waits to learn whether its server is gone
 TRACE = os.environ.get("SGLANG_DISAGG_TRACE") == "1"  # one timing line per request, for profiling
-_FREE, _QUARANTINE = 1, 2
-
-
-class Phase(enum.Enum):
-    MEMORY = "waiting for KV pages"
-    ROUTE = "waiting for a prefill server"
-    TRANSFER = "waiting for its KV writes"
-    RELEASE = "failed; pages held until no write can land"
-    QUARANTINE = "cancel unconfirmed; pages out of use until the prefill server answers or is gone"
-
-
-class Lost(enum.Enum):
-    """What a failed TRANSFER request does next (leader's decision)."""
-
-    FAIL = "fail"        # the client gets the error
-    WAIT = "wait"        # lost before any write landed: is its server gone (re-route) or alive (fail)?
-    REROUTE = "reroute"  # its server is gone and nothing of it landed: ask another one
-
-
-@dataclass(slots=True, eq=False)
-class Entry:
-    seq: int
-    req: Any
-    n_tokens: int                 # prompt tokens whose KV comes from prefill (all but the last)
-    phase: Phase
-    since: float
-    pages: tuple[int, ...] = ()
-    start_page: int = 0           # pages before it were already in this decoder's radix tree
-    tag: int = -1
-    link: str = ""
-    expected: int = 0             # writes this rank counts
-    writes: int = 0               # writes the whole request takes (all ranks)
-    routed: bool = False          # leader: a Route for it is on its way
-    landed: bool = False          # this rank: every expected write arrived
-    failed: str = ""              # this rank: why it failed
-    cause: Cause | None = None    # ... as a metric label
-    bytes: int = 0                # bytes the whole request's writes move
-    release: int = 0              # leader: _FREE / _QUARANTINE once decided
-    cancel_sent: float = 0.0
-    cancel_peer: Any = None       # leader: the connection the cancel went out on (resent after a reconnect)
-    first_landed: bool = False    # leader: at least one write of the current tag arrived
-    lost: float = 0.0             # leader: when its prefill server's connection was lost (0: it was not)
-    route_peer: Any = None        # leader: the link's connection when the order went out
-    rerouted: bool = False        # it was re-routed once already
-    times: dict = field(default_factory=dict)  # monotonic timestamps of the lifecycle
 
 
 class DecodeMessenger:
@@ -248,7 +199,7 @@ class DecodeMessenger:
                     if isinstance(msg, wire.OrderFailed) and not e.failed:
                         e.failed = f"prefill server {e.link} failed the request: {msg.reason}"
                         e.cause = Cause.PREFILL
-                    e.release = _FREE  # the prefill server is done with this tag either way
+                    e.release = Release.FREE  # the prefill server is done with this tag either way
 
     # ----- every iteration ------------------------------------------------------------
     def step(self) -> None:
@@ -269,7 +220,7 @@ class DecodeMessenger:
         live = [e for e in self.entries.values() if e.phase in (Phase.TRANSFER, Phase.RELEASE, Phase.QUARANTINE)]
         flags = []
         for e in live:
-            lost = self._lost(e) if self.ranks.is_leader and e.failed and e.phase is Phase.TRANSFER else Lost.FAIL
+            lost = lost_verdict(e, self.links.links, time.monotonic()) if self.ranks.is_leader and e.failed and e.phase is Phase.TRANSFER else Lost.FAIL
             flags += [int(e.landed), int(bool(e.failed) and lost is Lost.FAIL), int(lost is Lost.REROUTE),
                       e.release if self.ranks.is_leader else 0]
         sums = self.ranks.agree(flags)
@@ -282,9 +233,9 @@ class DecodeMessenger:
                     self._fail(e, e.failed or "KV transfer failed on another TP rank", e.cause or Cause.TRANSFER)
                 elif landed == self.ranks.size:
                     self._hand_off(e)
-            elif release == _FREE:
+            elif release == Release.FREE:
                 self._release(e, quarantine=False)
-            elif release == _QUARANTINE and e.phase is Phase.RELEASE:
+            elif release == Release.QUARANTINE and e.phase is Phase.RELEASE:
                 self._release(e, quarantine=True)
         if self.ranks.is_leader:
             self.node.stats_file.publish(self.snapshot)
@@ -307,22 +258,6 @@ class DecodeMessenger:
             "late_writes_dropped": self.backend.stats()["late_writes_dropped"] if self.backend else 0,
             "recent": list(self.recent)}
 
-    def _lost(self, e: Entry) -> Lost:
-        """Leader, for a failed TRANSFER request: fail it, or re-route it once when its prefill
-        server is gone before any write landed and another one is ready."""
-        if not e.lost or e.first_landed or e.rerouted or e.cause is not Cause.TRANSFER:
-            return Lost.FAIL
-        link = self.links.links[e.link]
-        if link.state is LinkState.GONE:
-            others = any(x.alive() for a, x in self.links.links.items() if a != e.link)
-            return Lost.REROUTE if others else Lost.FAIL
-        # The loss may reach the expectation (through the server's other connection) before
-        # the link's own connection: only a link on a NEW connection proves the server lives.
-        reconnected = link.alive() and link.peer is not e.route_peer
-        if reconnected or time.monotonic() - e.lost > LOST_VERDICT_S:
-            return Lost.FAIL  # the server lives and may still write, or no verdict in time
-        return Lost.WAIT
-
     def _reroute(self, e: Entry) -> None:
         """Back to ROUTE with a fresh tag; the old one stays retired (nothing of it landed)."""
         old, link = e.tag, e.link
@@ -343,16 +278,11 @@ class DecodeMessenger:
             if e.phase not in (Phase.RELEASE, Phase.QUARANTINE) or e.release:
                 continue
             link = self.links.links.get(e.link) if e.link else None
-            if link is None or link.state is LinkState.GONE:
-                e.release = _FREE      # never asked, or its process is gone: no write can land any more
-            elif link.alive() and e.cancel_peer is not link.peer:  # first cancel, or the link came back
-                e.cancel_sent, e.cancel_peer = e.cancel_sent or now, link.peer
+            if release_step(e, link, now) is Cancel.SEND:
                 try:
                     link.send(wire.Cancel(rid=e.req.rid, tag=e.tag))
                 except Exception:  # noqa: BLE001 - the link died: wait for it to come back or be gone
                     pass
-            elif e.phase is Phase.RELEASE and now - (e.cancel_sent or e.since) > CANCEL_TIMEOUT_S:
-                e.release = _QUARANTINE  # a live connection may still carry writes: keep the pages out of use
 
     def _hand_off(self, e: Entry) -> None:
         req, sched = e.req, self.sched
@@ -410,7 +340,7 @@ class DecodeMessenger:
         if quarantine:
             # The prefill server did not confirm the cancel: a write may still land in these
             # pages, so nobody gets them until it answers after all or is gone.
-            e.phase, e.release = Phase.QUARANTINE, 0
+            e.phase, e.release = Phase.QUARANTINE, Release.UNDECIDED
             self.stats["pages_quarantined"] += len(e.pages)
             logger.error("messenger: %d pages of %s quarantined: %s did not confirm the cancel in %.0f s",
                          len(e.pages), e.req.rid, e.link, CANCEL_TIMEOUT_S)

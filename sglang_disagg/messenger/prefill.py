@@ -28,7 +28,6 @@ nothing, and their writes count as done.
 from __future__ import annotations
 
 import collections
-import contextlib
 import itertools
 import logging
 import os
@@ -37,9 +36,10 @@ from array import array
 from typing import Any
 
 from ..backends import PeerState
-from . import compat, wire
+from . import wire
 from .config import MessengerConfig
 from .inputs import CancelTicket, DecoderJoined, MessengerInput, OrderTicket
+from .intake import Intake
 from .faults import ENV as FAULT_ENV
 from .kvpool import post
 from .layers import LayerCounter
@@ -62,11 +62,8 @@ class PrefillMessenger:
         self.decoders: dict[str, DecoderLink] = {}
         self.records: dict[str, Record] = {}        # prefill rid -> record
         self._seq = itertools.count()
-        self._inbox: collections.deque[MessengerInput] = collections.deque()
-        self._peers: dict[str, Any] = {}             # leader: decoder key -> control peer
-        self._capacity: dict[str, int] = {}          # leader: decoder key -> pages its regions hold
-        self._vocab = int(scheduler.model_config.vocab_size)
-        self._lost: dict[str, Any] = {}              # leader: decoder key -> the lost peer already handled
+        self.intake = Intake(self.node, self.ranks.size, int(scheduler.model_config.vocab_size)) \
+            if self.ranks.is_leader else None
         self.stats = {"orders": 0, "orders_failed": 0, "writes_posted": 0, "pages_sent": 0}
         self.recent: collections.deque[dict] = collections.deque(maxlen=64)  # finished orders' timelines
         self.node.metrics.watch(self._gauges)
@@ -77,78 +74,12 @@ class PrefillMessenger:
             early = os.environ.get(FAULT_ENV) == "early_writes"  # negative control: write before the KV exists
             self.streamer = Streamer(counter, self.node.view.geometry.num_layers, self._post, early=early,
                                      settle=self._settle)
-        if self.ranks.is_leader:
-            self.node.start_reader(self._on_message)
-
-    # ----- leader: decoders' messages -------------------------------------------------
-    def _on_message(self, peer: Any, msg: wire.Message) -> None:  # control thread
-        if isinstance(msg, wire.Hello):
-            reasons = compat.differences(msg.kv, self.node.spec)
-            if not reasons:
-                try:
-                    ShardPlan.build(self.node.view.geometry, self.ranks.size, msg.kv.tp)
-                    self._capacity[peer.id] = compat.decoder_pages(self.node.view.geometry, msg)
-                except ValueError as e:
-                    reasons.append(str(e))
-            if reasons:
-                logger.error("messenger: refused decoder %s: %s", msg.decoder, "; ".join(reasons))
-                peer.send(wire.encode(wire.Refuse(prefill=self.node.name, reason="; ".join(reasons))))
-                return
-            self._peers[peer.id] = peer
-            self._inbox.append(DecoderJoined(peer.id, msg))
-            peer.send(wire.encode(wire.Welcome(prefill=self.node.name, kv=self.node.spec, ranks=tuple(
-                wire.RankEndpoint(r.rank, r.address, r.instance, ()) for r in self.node.endpoints))))
-        elif isinstance(msg, wire.PrefillOrder):
-            problem = self._check_order(peer.id, msg)
-            if problem:
-                peer.send(wire.encode(wire.OrderFailed(rid=msg.rid, tag=msg.tag, reason=problem)))
-                return
-            self._inbox.append(OrderTicket(peer.id, msg))
-        elif isinstance(msg, wire.Cancel):
-            self._inbox.append(CancelTicket(peer.id, msg.tag))
-        else:
-            logger.warning("messenger: unexpected %s from %s", type(msg).__name__, peer.address)
-            return
-        self.node.wakeup.set()
-
-    def _check_order(self, key: str, o: wire.PrefillOrder) -> str:
-        if key not in self._peers:
-            return "no Hello from this decoder yet"
-        if not o.token_ids:
-            return "an order needs at least one token"
-        if len(o.dst_pages) != pages_for(len(o.token_ids), self.node.page_size):
-            return (f"{len(o.token_ids)} tokens need {pages_for(len(o.token_ids), self.node.page_size)} pages "
-                    f"of {self.node.page_size}, the order names {len(o.dst_pages)}")
-        if o.start_page > len(o.dst_pages):
-            return f"start_page {o.start_page} beyond the order's {len(o.dst_pages)} pages"
-        if o.tag >= 1 << 32:
-            return f"tag {o.tag} does not fit 32 bits"
-        if o.dst_pages and max(o.dst_pages) >= self._capacity[key]:
-            return f"page id {max(o.dst_pages)} outside the decoder's {self._capacity[key]} pages"
-        if max(o.token_ids) >= self._vocab:
-            return f"token id {max(o.token_ids)} outside the model's vocabulary of {self._vocab}"
-        return ""
+        if self.intake is not None:
+            self.node.start_reader(self.intake.on_message)
 
     def leader_inputs(self) -> list[MessengerInput]:
-        out = []
-        while self._inbox:
-            out.append(self._inbox.popleft())
-        for key in self._lost_decoders():
-            # After the orders just taken from the inbox, so their tickets exist when these apply.
-            tags = {r.order.tag for r in self.records.values() if r.key == key and not r.cancelled}
-            tags |= {i.order.tag for i in out if isinstance(i, OrderTicket) and i.key == key}
-            logger.warning("messenger: decoder %s lost: cancelling its %d order(s)", key[:12], len(tags))
-            out += [CancelTicket(key, tag) for tag in sorted(tags)]
-        return out
-
-    def _lost_decoders(self) -> list[str]:
-        """Keys of decoders whose control connection was lost since the last look."""
-        lost = []
-        for key, peer in list(self._peers.items()):
-            if peer.state is not PeerState.CONNECTED and self._lost.get(key) is not peer:
-                self._lost[key] = peer
-                lost.append(key)
-        return lost
+        return self.intake.drain(lambda key: [r.order.tag for r in self.records.values()
+                                              if r.key == key and not r.cancelled])
 
     # ----- every rank: inputs from the broadcast --------------------------------------
     def apply(self, item: MessengerInput) -> None:
@@ -230,10 +161,8 @@ class PrefillMessenger:
         if rec is None:
             # Already released (orders precede their cancel in the broadcast): nothing of it
             # is in flight any more; say so, or the decoder would hold its pages.
-            peer = self._peers.get(item.key) if self.ranks.is_leader else None
-            if peer is not None:
-                with contextlib.suppress(Exception):
-                    peer.send(wire.encode(wire.Released(rid="", tag=item.tag)))
+            if self.intake is not None:
+                self.intake.send(item.key, wire.Released(rid="", tag=item.tag))
             return
         rec.cancelled = True
         if rec.req is not None and not rec.held:
@@ -404,19 +333,10 @@ class PrefillMessenger:
             m.observe_ttft("tail", t.get("forward_end"), max(t.get("last_write", 0.0), t.get("forward_end", 0.0)))
             if "first_post" in t and "last_write" in t:
                 m.transfer.observe(max(0.0, t["last_write"] - t["first_post"]))
-        if not self.ranks.is_leader:
-            return
-        peer = self._peers.get(rec.key)
-        if peer is None:
-            return
-        reply = (wire.Released(rid=rec.order.rid, tag=rec.order.tag) if rec.cancelled else
-                 wire.OrderFailed(rid=rec.order.rid, tag=rec.order.tag,
-                                  reason=rec.failed or "KV writes failed on another TP rank") if failed else None)
-        if reply is not None:
-            try:
-                peer.send(wire.encode(reply))
-            except Exception:  # noqa: BLE001 - the decoder is gone: nothing to tell
-                pass
+        if self.intake is not None and (rec.cancelled or failed):
+            self.intake.send(rec.key, wire.Released(rid=rec.order.rid, tag=rec.order.tag) if rec.cancelled else
+                             wire.OrderFailed(rid=rec.order.rid, tag=rec.order.tag,
+                                              reason=rec.failed or "KV writes failed on another TP rank"))
 
     def abort(self, recv_req: Any) -> None:
         # Orders still waiting in SGLang's queue hold nothing: finish them here, or SGLang
@@ -436,8 +356,7 @@ class PrefillMessenger:
         return not self.records
 
     def has_leader_work(self) -> bool:
-        return bool(self._inbox) or any(p.state is not PeerState.CONNECTED and self._lost.get(k) is not p
-                                        for k, p in list(self._peers.items()))
+        return self.intake is not None and self.intake.pending()
 
     def close(self) -> None:
         if self.streamer is not None:

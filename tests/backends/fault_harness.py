@@ -28,14 +28,8 @@ class FaultPair(Pair):
     """Pair of FaultProcs; `options` go to both backends."""
 
     def __init__(self, backend: str, provider: str | None, size: int = 16 << 20, options: dict | None = None) -> None:
-        self.backend, self.provider, self.size = backend, provider, size
-        self.tx = FaultProc(backend, provider, options)
-        self.rx = FaultProc(backend, provider, options)
-        self.tx_peer = self.tx.call("connect", address=self.rx.address)["peer"]
-        self.rx_peer = self.rx.call("accept")["peer"]
-        self.seed = 1234
-        self.src = self.tx.call("alloc", size=size, seed=self.seed)["region"]
-        got = self.rx.call("alloc", size=size)
-        self.dst_desc = got["desc"]
-        self.dst = got["region"]
-        self.remote = self.tx.call("add_remote", peer=self.tx_peer, desc=self.dst_desc)["remote"]
+        self.options = options
+        super().__init__(backend, provider, size)
+
+    def _proc(self) -> FaultProc:
+        return FaultProc(self.backend, self.provider, self.options)

@@ -96,8 +96,8 @@ class Pair:
 
     def __init__(self, backend: str, provider: str | None, size: int = 16 << 20) -> None:
         self.backend, self.provider, self.size = backend, provider, size
-        self.tx = Proc(backend, provider)
-        self.rx = Proc(backend, provider)
+        self.tx = self._proc()
+        self.rx = self._proc()
         self.tx_peer = self.tx.call("connect", address=self.rx.address)["peer"]
         self.rx_peer = self.rx.call("accept")["peer"]
         self.seed = 1234
@@ -106,6 +106,9 @@ class Pair:
         self.dst_desc = got["desc"]
         self.dst = got["region"]
         self.remote = self.tx.call("add_remote", peer=self.tx_peer, desc=self.dst_desc)["remote"]
+
+    def _proc(self) -> Proc:
+        return Proc(self.backend, self.provider)
 
     def write(self, writes: list, imm: int, wait: float | None = 20.0) -> dict:
         return self.tx.call("write", rpc_timeout=(wait or 5) + 5, peer=self.tx_peer, region=self.src,
