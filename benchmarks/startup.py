@@ -37,7 +37,7 @@ def start_once(name: str, model: str, port: int, logs: Path) -> dict:
         stack.start()
     finally:
         stack.stop()
-    return {"startup_s": round(stack.startup_s, 2), "phases_s": dict(stack.phases)}
+    return {"startup_s": round(stack.startup_s, 2), "phases_s": {k: round(v, 2) for k, v in stack.phases.items()}}
 
 
 def main(argv: list[str]) -> int:

@@ -97,7 +97,7 @@ class Stack:
         (self.log_dir / "ports.txt").write_text("".join(f"{x}\n" for x in listening(self)))
 
     def _phase(self, name: str) -> None:
-        self.phases[name] = round(time.monotonic() - self._t0, 2)
+        self.phases[name] = time.monotonic() - self._t0
 
     def _add_worker(self, url: str) -> None:
         try:
