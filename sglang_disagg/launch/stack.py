@@ -40,7 +40,7 @@ class Stack:
         self.log_dir = log_dir
         self.model_path = model_path
         self.startup_s: float | None = None
-        self.phases: dict[str, float] = {}  # "<name> healthy", "routable": seconds since start()
+        self.phases: dict[str, float] = {}  # "<name> healthy", "routable": seconds since the last (re)start
         self._t0 = 0.0
 
     @classmethod
@@ -135,8 +135,9 @@ class Stack:
         proc.stop()
         stats = self.log_dir / f"{name}.messenger.json"
         stats.unlink(missing_ok=True)  # the dead run's counters must not answer for the new one
+        self._t0, self.phases = time.monotonic(), {}
         proc.start()
-        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        deadline = self._t0 + self.cfg.startup_timeout_s
         self._wait([proc], deadline, progress)
         if name == Role.DECODE.value and self.cfg.mode is Mode.MESSENGER:
             self._wait_links(proc, min(deadline, time.monotonic() + LINK_WAIT_S), progress)

@@ -8,7 +8,7 @@ import random
 import time
 
 import pytest
-from transfer_harness import Pair, Proc, WorkerError, case_params
+from transfer_harness import Pair, Proc, WorkerError, case_params, until
 from transfer_worker import pattern
 
 pytestmark = pytest.mark.backend
@@ -260,16 +260,6 @@ def faulty(request, procs):
     return p
 
 
-def _until(fn, timeout: float = 5.0, step: float = 0.05):
-    """fn() until truthy or timeout; returns its last value."""
-    end = time.monotonic() + timeout
-    while True:
-        v = fn()
-        if v or time.monotonic() > end:
-            return v
-        time.sleep(step)
-
-
 def test_tag_reuse_after_failed_request(pair: Pair) -> None:
     """Writes of a request whose expectation failed never count toward anything later:
     neither toward the same tag (it is retired: expecting it again is refused) nor another."""
@@ -279,7 +269,7 @@ def test_tag_reuse_after_failed_request(pair: Pair) -> None:
     assert err.type == "DeadlineExceeded" and "1 of 3" in err.msg, err
     dropped = pair.rx.call("stats")["late_writes_dropped"]
     pair.write([[page, page, page], [2 * page, 2 * page, page]], imm=tag)   # the late rest of it
-    assert _until(lambda: pair.rx.call("stats")["late_writes_dropped"] >= dropped + 2), pair.rx.call("stats")
+    assert until(lambda: pair.rx.call("stats")["late_writes_dropped"] >= dropped + 2), pair.rx.call("stats")
     assert pair.rx.call("arrived", tag=tag)["count"] == 0
     err = pair.rx.error("expect", tag=tag, count=2, timeout=1.0)     # a later request with the same tag
     assert err.type == "DescriptorError" and "retired" in err.msg, err
@@ -297,7 +287,7 @@ def test_deregister_while_writes_in_flight(faulty: FaultPair) -> None:
     writes = [[i * (1 << 20), i * (1 << 20), 1 << 20] for i in range(8)]
     src2 = p.tx.call("alloc", size=8 << 20, seed=7)["region"]
     p.tx.call("writer_start", peer=p.tx_peer, region=src2, remote=p.remote, writes=writes, imm=81)
-    _until(lambda: p.tx.call("writer_done")["done"] >= 1, timeout=10.0)
+    until(lambda: p.tx.call("writer_done")["done"] >= 1, timeout=10.0)
     p.tx.call("dealloc", region=src2)
     got = p.tx.call("writer_stop", rpc_timeout=40)
     assert not got["alive"], got
@@ -310,7 +300,7 @@ def test_deregister_while_writes_in_flight(faulty: FaultPair) -> None:
     dst2 = p.rx.call("alloc", size=8 << 20)
     remote2 = p.tx.call("add_remote", peer=p.tx_peer, desc=dst2["desc"])["remote"]
     p.tx.call("writer_start", peer=p.tx_peer, region=p.src, remote=remote2, writes=writes, imm=83)
-    _until(lambda: p.tx.call("writer_done")["done"] >= 1, timeout=10.0)
+    until(lambda: p.tx.call("writer_done")["done"] >= 1, timeout=10.0)
     p.rx.call("dealloc", region=dst2["region"])
     time.sleep(0.2)
     got = p.tx.call("writer_stop", rpc_timeout=40)
@@ -324,7 +314,7 @@ def test_deregister_while_writes_in_flight(faulty: FaultPair) -> None:
     # both processes alive, nothing left behind, and the original regions still work
     p.tx.call("ping")
     p.rx.call("ping")
-    assert _until(lambda: p.tx.call("stats")["batches"] == 0), p.tx.call("stats")
+    assert until(lambda: p.tx.call("stats")["batches"] == 0), p.tx.call("stats")
     if got["error"] and got["error"]["type"] == "DeadlineExceeded" and p.provider == "shm":
         pytest.xfail(SHM_HOL)  # the unanswered write blocks later ones on this endpoint
     if got["error"] is None or got["error"]["type"] != "PeerLostError":
@@ -347,7 +337,7 @@ def test_close_while_callbacks_run(faulty: FaultPair) -> None:
     exp = p.rx.call("expect_cb", tag=91, count=1, timeout=30.0, block_s=2.5)["future"]
     p.tx.call("write_cb", peer=p.tx_peer, region=p.src, remote=p.remote, writes=[[0, 0, 65536]], imm=91,
               block_s=2.5)
-    assert _until(lambda: p.tx.call("cb_state")["started"] == 1 and p.rx.call("cb_state")["started"] == 1), \
+    assert until(lambda: p.tx.call("cb_state")["started"] == 1 and p.rx.call("cb_state")["started"] == 1), \
         (p.tx.call("cb_state"), p.rx.call("cb_state"))
     # one more batch behind the blocked callback, and an expectation that cannot be met
     late = p.tx.call("write", peer=p.tx_peer, region=p.src, remote=p.remote, writes=[[65536, 65536, 65536]],
@@ -365,9 +355,9 @@ def test_close_while_callbacks_run(faulty: FaultPair) -> None:
     err = p.tx.error("write", peer=p.tx_peer, region=p.src, remote=p.remote, writes=[[0, 0, 4096]], imm=94)
     assert err.type in ("TransferError", "PeerLostError"), err
     for proc in (p.tx, p.rx):
-        assert _until(lambda proc=proc: proc.call("cb_state")["finished"] == 1, timeout=6.0), proc.call("cb_state")
+        assert until(lambda proc=proc: proc.call("cb_state")["finished"] == 1, timeout=6.0), proc.call("cb_state")
         assert proc.call("cb_state")["errors"] == []
-        left = _until(lambda proc=proc: not [t for t in proc.call("threads")["threads"]
+        left = until(lambda proc=proc: not [t for t in proc.call("threads")["threads"]
                                              if t.startswith(("libfabric", "nixl", "mooncake", "shmem"))], timeout=5.0)
         assert left, proc.call("threads")
 
@@ -379,11 +369,11 @@ def test_close_from_a_callback(faulty: FaultPair) -> None:
     p.tx.call("write_cb", peer=p.tx_peer, region=p.src, remote=p.remote, writes=[[0, 0, 65536]], imm=95, close=True)
     p.rx.call("expect_cb", tag=95, count=1, timeout=20.0, close=True)
     for proc in (p.tx, p.rx):
-        assert _until(lambda proc=proc: proc.call("cb_state")["finished"] == 1, timeout=10.0), proc.call("cb_state")
+        assert until(lambda proc=proc: proc.call("cb_state")["finished"] == 1, timeout=10.0), proc.call("cb_state")
         assert proc.call("cb_state")["errors"] == [], proc.call("cb_state")
         err = proc.error("expect", tag=96, count=1, timeout=1.0)
         assert err.type == "TransferError" and "closed" in err.msg, err
-        left = _until(lambda proc=proc: not [t for t in proc.call("threads")["threads"]
+        left = until(lambda proc=proc: not [t for t in proc.call("threads")["threads"]
                                              if t.startswith(("libfabric", "nixl", "mooncake", "shmem"))], timeout=5.0)
         assert left, proc.call("threads")
 
@@ -434,7 +424,7 @@ def test_stalled_peer_isolated_and_batch_deadline(case, procs: list) -> None:
     if big is not None:
         got = tx.call("failed_at", rpc_timeout=15, future=big, timeout=8.0)
         assert got["type"] in (None, "DeadlineExceeded"), got
-    assert _until(lambda: tx.call("stats")["batches"] == 0), tx.call("stats")
+    assert until(lambda: tx.call("stats")["batches"] == 0), tx.call("stats")
     slow.resume()
     tx.call("ping")
 
@@ -461,4 +451,4 @@ def test_a_stopped_peer_is_lost_by_its_silence(case, procs: list) -> None:
         b.resume()
     assert got["type"] == "PeerLostError" and "silent" in got["msg"], got
     assert got["t"] - t0 < 2.0, got
-    assert _until(lambda: a.call("stats")["peers"] == 0), a.call("stats")
+    assert until(lambda: a.call("stats")["peers"] == 0), a.call("stats")

@@ -143,7 +143,7 @@ def test_closing_a_peer_whose_expired_writes_are_in_flight_keeps_its_region_mapp
     and its control connection dropped). The writer must keep the address, replace its
     head-of-line-blocked endpoint, survive the late response and write to a new peer."""
     from fault_harness import FaultProc
-    from transfer_harness import Proc
+    from transfer_harness import Proc, until
 
     opts = {"batch_timeout_s": 1.0, "peer_timeout_s": 60.0}
     tx, rx = FaultProc("libfabric", "shm", opts), FaultProc("libfabric", "shm", opts)
@@ -163,7 +163,7 @@ def test_closing_a_peer_whose_expired_writes_are_in_flight_keeps_its_region_mapp
         rx.resume()  # rx now reads the writes and answers into tx's response queue
     time.sleep(0.5)
     assert tx.p.poll() is None, "the writer died handling a late response"
-    assert _until(lambda: not tx.call("stats")["poisoned"]), tx.call("stats")
+    assert until(lambda: not tx.call("stats")["poisoned"]), tx.call("stats")
     assert tx.call("stats")["endpoints_replaced"] == 1
     other = Proc("libfabric", "shm")
     procs.append(other)
@@ -195,9 +195,3 @@ def test_a_post_to_an_address_outside_the_endpoints_av_fails_at_once(provider: s
     finally:
         be.close()
 
-
-def _until(fn, timeout: float = 5.0):
-    end = time.monotonic() + timeout
-    while not (v := fn()) and time.monotonic() < end:
-        time.sleep(0.05)
-    return v

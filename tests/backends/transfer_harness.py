@@ -11,6 +11,7 @@ import json
 import os
 import select
 import subprocess
+import time
 import sys
 import tempfile
 from pathlib import Path
@@ -117,6 +118,16 @@ class Pair:
     def stop(self) -> None:
         for p in (self.tx, self.rx):
             p.stop()
+
+
+def until(fn, timeout: float = 5.0, step: float = 0.05):
+    """fn() until truthy or timeout; returns its last value."""
+    end = time.monotonic() + timeout
+    while True:
+        v = fn()
+        if v or time.monotonic() > end:
+            return v
+        time.sleep(step)
 
 
 def case_params() -> list:

@@ -84,8 +84,8 @@ struct shim_ep {
     struct shim_op recv_ops[N_RECV];
     char async_msg[192]; int async_status;
     int64_t last_activity;           /* ns; last post or completion, drives idle back-off */
-    struct addr_set dead;            /* abandoned peers: posts to them are refused */
-    struct addr_set known;           /* in this endpoint's AV: posts to any other address are refused */
+    struct addr_set postable;        /* in this endpoint's AV and not abandoned: posts to any other
+                                      * address (a lost peer's, another endpoint's) are refused */
     struct tag_err *tag_errs; size_t n_tag_errs, cap_tag_errs;  /* failed remote writes, by tag */
 };
 
@@ -288,7 +288,7 @@ static void close_fids(shim_ep *e);
 
 /* Frees the struct; only for an endpoint nobody else can reach (failed open, shim_free). */
 static void destroy(shim_ep *e) {
-    free(e->mrs); free(e->imms); free(e->dead.v); free(e->known.v); free(e->tag_errs);
+    free(e->mrs); free(e->imms); free(e->postable.v); free(e->tag_errs);
     pthread_cond_destroy(&e->idle);
     pthread_mutex_destroy(&e->lock);
     free(e);
@@ -421,10 +421,7 @@ int shim_av_insert(shim_ep *e, const void *addr, size_t addrlen, uint64_t *fi_ad
     if (ret) return ret;
     if ((ret = enter(e, err, errlen))) return ret;
     ret = fi_av_insert(e->av, addr, 1, &a, 0, NULL);
-    if (ret == 1) {  /* an AV slot freed by fi_av_remove may come back for a new peer */
-        set_del(&e->dead, a);
-        set_add(&e->known, a);
-    }
+    if (ret == 1) set_add(&e->postable, a);  /* a slot freed by fi_av_remove may come back */
     leave(e);
     if (ret != 1) {
         set_err(err, errlen, "fi_av_insert", ret < 0 ? ret : -FI_EADDRNOTAVAIL);
@@ -439,7 +436,7 @@ int shim_av_remove(shim_ep *e, uint64_t fi_addr, char *err, size_t errlen) {
     int ret = enter(e, err, errlen);
     if (ret) return ret;
     ret = fi_av_remove(e->av, &a, 1, 0);
-    if (!ret) set_del(&e->known, a);
+    if (!ret) set_del(&e->postable, a);
     leave(e);
     if (ret) set_err(err, errlen, "fi_av_remove", ret);
     return ret;
@@ -575,18 +572,14 @@ int shim_post(shim_ep *e, uint64_t batch_id, uint64_t peer, size_t n,
     if (!b) { set_err(err, errlen, "alloc", -FI_ENOMEM); return -FI_ENOMEM; }
     int ret = enter(e, err, errlen);
     if (ret) { free(b); return ret; }
-    if (set_has(&e->dead, peer)) {  /* lost between Python's check and here: post nothing */
+    if (!set_has(&e->postable, peer)) {
+        /* Lost between Python's check and here, or an address of another endpoint (ours was
+         * replaced after the caller read it; shm answers -FI_EAGAIN for a peer it cannot
+         * map, so posting would stall, not fail): post nothing. */
         leave(e);
         free(b);
-        set_err(err, errlen, "shim_post: peer was lost", -FI_ECONNRESET);
-        return -FI_ECONNRESET;
-    }
-    if (!set_has(&e->known, peer)) {
-        /* An address of another endpoint (ours was replaced after the caller read it): shm
-         * answers -FI_EAGAIN for a peer it cannot map, so posting would stall, not fail. */
-        leave(e);
-        free(b);
-        set_err(err, errlen, "shim_post: peer is not in this endpoint's address vector", -FI_EADDRNOTAVAIL);
+        set_err(err, errlen, "shim_post: peer was lost or is not in this endpoint's address vector",
+                -FI_EADDRNOTAVAIL);
         return -FI_EADDRNOTAVAIL;
     }
     ret = n ? post_locked(e, b, n, mr, src_off, raddr, rkey, len, imm, err, errlen) : 0;
@@ -645,7 +638,7 @@ int shim_poll(shim_ep *e, shim_event *ev, int cap, int timeout_us) {
 int shim_abandon_peer(shim_ep *e, uint64_t peer) {
     int k = 0;
     if (enter(e, NULL, 0)) return 0;
-    set_add(&e->dead, peer);
+    set_del(&e->postable, peer);
     /* Count batches abandoned earlier (expired) too: their writes are still the provider's,
      * and shm touches the peer's region when their responses come, so the address must
      * stay in the AV (and, the peer being gone, they block later responses) just the same. */
