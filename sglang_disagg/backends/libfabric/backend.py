@@ -201,8 +201,9 @@ class LibfabricBackend(TransferBackend):
         # The shim checks the address against our provider's format (length, terminator,
         # family) before fi_av_insert reads it: the hello comes from the network.
         out, err = ffi.new("uint64_t *"), _Errbuf()
-        _check(lib.shim_av_insert(self._ep, raw, len(raw), out, err.buf, 256), err, "fi_av_insert")
-        peer.native = int(out[0])
+        with self._ep_lock:  # a peer connecting while the endpoint is replaced joins the new one
+            _check(lib.shim_av_insert(self._ep, raw, len(raw), out, err.buf, 256), err, "fi_av_insert")
+            peer.native = int(out[0])
 
     def _native_disconnect(self, peer: Peer) -> None:
         if peer.native is None:
