@@ -8,6 +8,13 @@ into them (the ``shmem`` transfer backend) and one process can map every rank's 
 ``locate(addr, length)`` finds the file that backs a range of this process's memory and
 says how another process opens it: a path (a /dev/shm file) or /proc/<pid>/fd/<n> (a
 memfd, opened through this process's descriptor while it lives).
+
+A file is named by its device AND inode, and a memfd also by its name, which is unique
+per allocation. An inode number alone names nothing: /dev/shm and the kernel's memfd mount
+are separate tmpfs superblocks that count inodes independently, so a process holding
+SGLang's /dev/shm/sglang_loads_* file (inode 3, say) next to a KV memfd with inode 3 had
+its KV descriptor point at the load file, and a peer checking only the inode would have
+written KV into it (it was refused only because that file was smaller than one layer).
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import contextlib
 import mmap
 import os
 import re
+import secrets
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +43,8 @@ def shared_zeros(shape: tuple[int, ...], dtype: Any, name: str = "sglang-disagg-
     for n in shape:
         numel *= n
     nbytes = max(1, numel * torch.empty((), dtype=dtype).element_size())
-    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    # A name of its own per allocation: a peer checks it, so no other memfd passes for this one.
+    fd = os.memfd_create(f"{name}-{secrets.token_hex(8)}", os.MFD_CLOEXEC)
     os.ftruncate(fd, nbytes)  # a fresh memfd reads as zeros
     buf = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     with _lock:
@@ -48,6 +57,8 @@ class Backing:
     path: str    # what a peer on this host opens
     offset: int  # file offset of the range's first byte
     inode: int
+    dev: int     # st_dev of the file: with the inode, its identity
+    target: str  # what /proc/<pid>/fd/<n> links to ("/memfd:NAME (deleted)", "/dev/shm/NAME")
 
 
 def locate(addr: int, length: int, pid: int | None = None) -> Backing:
@@ -62,26 +73,30 @@ def locate(addr: int, length: int, pid: int | None = None) -> Backing:
             if addr + length > hi:
                 raise SharedMemoryError(f"range {addr:#x}+{length} spans more than one mapping")
             perms, offset, inode = parts[1], int(parts[2], 16), int(parts[4])
+            major, minor = (int(x, 16) for x in parts[3].split(":"))
+            dev = os.makedev(major, minor)
             path = parts[5].strip() if len(parts) > 5 else ""
             if "s" not in perms or inode == 0 or not path:
                 raise SharedMemoryError(f"range {addr:#x}+{length} is not shared file memory ({perms} {path!r})")
             where = offset + addr - lo
             if path.startswith("/dev/shm/"):
-                return Backing(path, where, inode)
+                return Backing(path, where, inode, dev, path)
             if path.startswith("/memfd:"):
-                return Backing(f"/proc/{pid}/fd/{_fd_of(inode)}", where, inode)
+                return Backing(f"/proc/{pid}/fd/{_fd_of(dev, inode, path)}", where, inode, dev, path)
             raise SharedMemoryError(f"range {addr:#x}+{length} is backed by {path}, not shared memory")
     raise SharedMemoryError(f"address {addr:#x} is not mapped in this process")
 
 
-def _fd_of(inode: int) -> int:
+def _fd_of(dev: int, inode: int, target: str) -> int:
+    """This process's descriptor of the file (dev, inode), which links to `target`."""
     for name in os.listdir("/proc/self/fd"):
         try:
-            if os.stat(f"/proc/self/fd/{name}").st_ino == inode:
+            st = os.stat(f"/proc/self/fd/{name}")
+            if (st.st_dev, st.st_ino) == (dev, inode) and os.readlink(f"/proc/self/fd/{name}") == target:
                 return int(name)
         except OSError:
             continue
-    raise SharedMemoryError(f"no open descriptor for the memfd with inode {inode}")
+    raise SharedMemoryError(f"no open descriptor for {target} (device {dev:#x}, inode {inode})")
 
 
 _PEER_PATH = re.compile(r"^(/dev/shm/[^/]+|/proc/[0-9]+/fd/[0-9]+)$")
@@ -92,7 +107,8 @@ class Mapping:
     a path a peer names must be a /dev/shm file or a process's memfd descriptor, and what
     it opens must be one, so a descriptor cannot point a writer at an ordinary file."""
 
-    def __init__(self, backing_path: str, offset: int, length: int, inode: int) -> None:
+    def __init__(self, backing: Backing, length: int) -> None:
+        backing_path, offset = backing.path, backing.offset
         if not _PEER_PATH.match(backing_path) or offset < 0 or length <= 0:
             raise SharedMemoryError(f"refusing to map {backing_path!r}: not a shared-memory object")
         try:
@@ -103,9 +119,12 @@ class Mapping:
             target = os.readlink(f"/proc/self/fd/{fd}")
             if not (target.startswith("/memfd:") or target.startswith("/dev/shm/")):
                 raise SharedMemoryError(f"refusing to map {backing_path}: it is {target}, not shared memory")
-            if os.fstat(fd).st_ino != inode:
-                raise SharedMemoryError(f"{backing_path} is not the peer's memory any more (inode changed)")
-            if offset + length > os.fstat(fd).st_size:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino, target) != (backing.dev, backing.inode, backing.target):
+                raise SharedMemoryError(
+                    f"{backing_path} is {target} (device {st.st_dev:#x}, inode {st.st_ino}), not the peer's "
+                    f"memory {backing.target} (device {backing.dev:#x}, inode {backing.inode})")
+            if offset + length > st.st_size:
                 raise SharedMemoryError(f"range {offset}+{length} exceeds the peer's memory object")
             start = offset - offset % mmap.PAGESIZE
             self._map = mmap.mmap(fd, length + offset - start, flags=mmap.MAP_SHARED,

@@ -6,8 +6,8 @@ receiver's memory is shared (a memfd or /dev/shm file; the messenger allocates K
 so), the writer can map it and copy with memcpy. Same contract as every backend:
 
 - regions: ``register`` finds the file behind the range (sglang_disagg.shm.locate); the
-  descriptor names it and the inode, and a peer on another host is refused at handshake
-  (boot id). Memory that is not shared is refused with a DescriptorError.
+  descriptor names it, its device and inode and what it links to, all checked before the
+  writer maps it; a peer on another host is refused at handshake (boot id). Memory that is not shared is refused with a DescriptorError.
 - immediates: after a batch's copies the writer sends NOTIFY(tag, count) on the control
   channel; the data is in the receiver's memory before the notification is read.
 - failures: peer loss comes from the control channel, as for every backend.
@@ -53,7 +53,7 @@ class ShmemBackend(TransferBackend):
 
     def _native_open(self) -> None:
         self._host = _boot_id()
-        self._maps: dict[tuple[str, int], shm.Mapping] = {}  # (peer id, region id) -> mapping
+        self._maps: dict[tuple, shm.Mapping] = {}  # (peer id, region id, what it names) -> mapping
         self._maps_lock = threading.Lock()
         self._jobs: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._work, name="shmem-copy", daemon=True)
@@ -80,26 +80,29 @@ class ShmemBackend(TransferBackend):
             b = shm.locate(addr, length)
         except shm.SharedMemoryError as e:
             raise DescriptorError(f"shmem can only register shared memory: {e}") from e
-        return NativeRegistration((addr, length), 0, 0, {"path": b.path, "offset": b.offset, "inode": b.inode})
+        return NativeRegistration((addr, length), 0, 0, {"path": b.path, "offset": b.offset, "inode": b.inode,
+                                                         "dev": b.dev, "target": b.target})
 
     def _native_deregister(self, reg: NativeRegistration) -> None:
         pass  # the memory belongs to its allocator; peers keep their own mappings
 
     def _check_remote(self, peer: Peer, d: RegionDescriptor) -> None:
         extra = d.extra
-        if not isinstance(extra.get("path"), str) or not all(
-                isinstance(extra.get(k), int) and not isinstance(extra.get(k), bool) for k in ("offset", "inode")):
-            raise DescriptorError("shmem descriptor lacks path/offset/inode")
+        if not all(isinstance(extra.get(k), str) for k in ("path", "target")) or not all(
+                isinstance(extra.get(k), int) and not isinstance(extra.get(k), bool) for k in ("offset", "inode", "dev")):
+            raise DescriptorError("shmem descriptor lacks path/offset/inode/dev/target")
 
     def _mapping(self, dst: RemoteRegion) -> shm.Mapping:
         """The peer's region mapped here, on first use."""
-        key = (dst.peer, dst.descriptor.region)
+        d = dst.descriptor
+        # The whole descriptor: a peer that says Hello again may name other memory under the same region id.
+        key = (dst.peer, d.region, d.length, tuple(sorted(d.extra.items())))
         with self._maps_lock:
             m = self._maps.get(key)
             if m is None:
-                d = dst.descriptor
                 try:
-                    m = shm.Mapping(d.extra["path"], d.extra["offset"], d.length, d.extra["inode"])
+                    x = d.extra
+                    m = shm.Mapping(shm.Backing(x["path"], x["offset"], x["inode"], x["dev"], x["target"]), d.length)
                 except shm.SharedMemoryError as e:
                     raise TransferError(f"shmem: {e}") from e
                 self._maps[key] = m

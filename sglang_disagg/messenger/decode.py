@@ -51,6 +51,9 @@ from .requests import HANDOFF_ATTR, LOCK_ATTR, abort_matches, fail_request, rele
 logger = logging.getLogger("sglang_disagg.messenger")
 
 TRACE = os.environ.get("SGLANG_DISAGG_TRACE") == "1"  # one timing line per request, for profiling
+# Failures that count against the request's prefill link (Links.outcome): its server failed
+# a valid order, or its writes never came. Not the order's own (INTAKE) nor the client's.
+LINK_FAULTS = (Cause.PREFILL, Cause.TRANSFER)
 
 
 class DecodeMessenger:
@@ -198,7 +201,7 @@ class DecodeMessenger:
                 if e.tag == msg.tag and e.link and self.links.links[e.link].peer is peer:
                     if isinstance(msg, wire.OrderFailed) and not e.failed:
                         e.failed = f"prefill server {e.link} failed the request: {msg.reason}"
-                        e.cause = Cause.PREFILL
+                        e.cause = Cause.INTAKE if msg.blame is wire.Blame.ORDER else Cause.PREFILL
                     e.release = Release.FREE  # the prefill server is done with this tag either way
 
     # ----- every iteration ------------------------------------------------------------
@@ -288,6 +291,8 @@ class DecodeMessenger:
         req, sched = e.req, self.sched
         del self.entries[e.seq]
         self._settle_link(e)
+        if self.links is not None and e.link:
+            self.links.outcome(e.link)
         if self.fault is not None and e.start_page < len(e.pages):
             self.fault.apply(self.node.view, e.pages[e.start_page:])  # never the tree's shared pages
         req.prefix_len = e.n_tokens
@@ -320,6 +325,8 @@ class DecodeMessenger:
                         ", ".join(f"{k} {1000 * (v - t['take']):.1f}" for k, v in t.items()))
 
     def _fail(self, e: Entry, reason: str, cause: Cause) -> None:
+        if self.links is not None and e.link and cause in LINK_FAULTS and not e.lost:
+            self.links.outcome(e.link, reason)  # a lost connection is the link thread's concern
         self.stats["requests_failed"] += 1
         self.node.metrics.fail(cause)
         logger.warning("messenger: request %s failed: %s", e.req.rid, reason)

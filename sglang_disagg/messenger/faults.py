@@ -7,6 +7,8 @@ servers ignore it; ``drop_kv`` is the upstream mode's variant, see hooks.py). SE
 ``|`` apply in turn, one per carried request (request i gets spec i mod n), so one
 server can exercise several partial losses. A test that still sees the colocated tokens under such a fault has
 a comparison that cannot fail; one page of one layer must be enough to change them.
+On prefill servers, ``early_writes`` posts each layer's writes before its KV exists and
+``fail_writes`` fails every write into a decoder at posting (prefill.py).
 """
 
 from __future__ import annotations

@@ -52,7 +52,8 @@ class Intake:
         elif isinstance(msg, wire.PrefillOrder):
             problem = self.check_order(peer.id, msg)
             if problem:
-                peer.send(wire.encode(wire.OrderFailed(rid=msg.rid, tag=msg.tag, reason=problem)))
+                peer.send(wire.encode(wire.OrderFailed(rid=msg.rid, tag=msg.tag, reason=problem,
+                                                                blame=wire.Blame.ORDER)))
                 return
             self._inbox.append(OrderTicket(peer.id, msg))
         elif isinstance(msg, wire.Cancel):

@@ -7,6 +7,13 @@ final for that server until it restarts; a lost connection is retried at once. A
 server whose port then refuses connections is GONE: its process no longer exists, so no
 write of it can land any more (the decoder frees or re-routes what it had asked of it).
 Requests go to the ready link with the fewest outstanding requests.
+
+A link whose server keeps failing valid orders (FAIL_STRIKES requests in a row: its writes
+into this decoder fail, or never arrive) is FAILING: out of use, so requests go to another
+server or fail at once with the reason, instead of each one burning a prefill. After a
+backoff (RECHECK_S, doubling) it is connected again from scratch (a new Hello: the server
+re-reads this decoder's regions) and comes back on probation: one more failure and it is
+FAILING again, one success and it is trusted again.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import enum
 import logging
 import threading
+import time
 from typing import Any
 
 from ..backends import PeerState, TransferError
@@ -25,6 +33,8 @@ RETRY_S = 0.5
 POLL_S = 0.05  # how often a ready link's liveness is checked: loss must be seen within 2 s
 REFUSED_RETRY_S = 5.0
 REFUSED_MARK = "refused by"  # in every refusal the client sees; the launcher stops on it
+FAIL_STRIKES = 3             # valid requests in a row a link's server failed: the link is FAILING
+RECHECK_S = (1.0, 30.0)      # first and longest wait before a FAILING link is connected again
 
 
 class LinkState(enum.Enum):
@@ -33,6 +43,7 @@ class LinkState(enum.Enum):
     REFUSED = "refused"
     DOWN = "down"    # was ready, connection lost, process may still be alive (not reconnected yet)
     GONE = "gone"    # was ready, and its port now refuses connections: the process is gone
+    FAILING = "failing"  # connected, but its server failed FAIL_STRIKES requests in a row: re-checked later
 
 
 class Link:
@@ -44,6 +55,9 @@ class Link:
         self.prefill_tp = 0
         self.instances: tuple[str, ...] = ()
         self.outstanding = 0
+        self.strikes = 0         # requests in a row its server failed (scheduler thread)
+        self.recheck_at = 0.0    # FAILING: when it is connected again
+        self.backoff = RECHECK_S[0]
         self._reply = threading.Event()
         self._answer: wire.Message | None = None
 
@@ -93,6 +107,26 @@ class Links:
             link._reply.set()
         return True
 
+    def outcome(self, address: str, error: str = "") -> None:
+        """A request this link's server served (error "") or failed although the order was
+        valid (scheduler thread). Enough failures in a row take the link out of use."""
+        link = self.links.get(address)
+        if link is None:
+            return
+        if not error:
+            link.strikes, link.backoff = 0, RECHECK_S[0]
+            return
+        link.strikes += 1
+        if link.strikes < FAIL_STRIKES or link.state is not LinkState.READY:
+            return
+        link.recheck_at = time.monotonic() + link.backoff
+        link.state, link.reason = LinkState.FAILING, (
+            f"its last {link.strikes} requests failed, the last one with: {error}; "
+            f"connected again in {link.backoff:g} s")
+        link.backoff = min(2 * link.backoff, RECHECK_S[1])
+        logger.error("messenger: prefill server %s out of use: %s", address, link.reason)
+        self._on_change()
+
     def link_of(self, peer_id: str) -> Link | None:
         return self._by_peer.get(peer_id)
 
@@ -106,6 +140,12 @@ class Links:
             if link.alive():
                 self._stop.wait(POLL_S)
                 continue
+            if link.state is LinkState.FAILING:
+                if self._stop.wait(max(0.0, link.recheck_at - time.monotonic())):
+                    return
+                self._recheck(link)
+                self._on_change()
+                continue
             if link.state is LinkState.READY:  # it was up: the connection dropped
                 link.state, link.reason = LinkState.DOWN, "connection lost"
                 logger.warning("messenger: prefill server %s lost", link.address)
@@ -116,6 +156,17 @@ class Links:
                 self._on_change()
             if link.state is not LinkState.READY:
                 self._stop.wait(REFUSED_RETRY_S if link.state is LinkState.REFUSED else RETRY_S)
+
+    def _recheck(self, link: Link) -> None:
+        """A FAILING link from scratch: a new connection and Hello. On probation after it."""
+        old, link.peer = link.peer, None
+        if old is not None:
+            old.close()
+        link.state, link.reason = LinkState.DOWN, "re-checking after repeated failures"
+        self._contact(link)
+        if link.state is LinkState.READY:  # strikes stay: the next failure takes it out again
+            logger.warning("messenger: prefill server %s connected again after repeated failures (on probation)",
+                           link.address)
 
     def _contact(self, link: Link) -> None:
         try:

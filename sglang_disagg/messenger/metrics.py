@@ -45,7 +45,7 @@ class Cause(enum.Enum):
     TRANSFER = "transfer"                # the writes failed or timed out
     PREFILL = "prefill_failed"           # the prefill server failed the order
     ABORTED = "aborted"                  # the client went away
-    INTAKE = "intake"                    # refused at intake (prefill side)
+    INTAKE = "intake"                    # the order was refused as given (at the prefill server's intake)
 
 
 class MessengerMetrics:

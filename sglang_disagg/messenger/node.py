@@ -89,8 +89,8 @@ class Node:
                 m = cumem.Imported(backing)
                 addr, length = m.ptr, backing.size
             else:
-                path, offset, inode, length = backing
-                m = shm.Mapping(path, offset, length, inode)
+                *where, length = backing
+                m = shm.Mapping(shm.Backing(*where), length)
                 addr = m.addr
             self._mappings.append(m)
             region, desc = self.backend.register(addr, length)
@@ -174,7 +174,7 @@ def _require_secret() -> bytes:
 
 def _backing(t: Any) -> Any:
     """How the leader maps this rank's KV buffer `t`: a cuMem export on GPU, else the
-    shared file behind it (path, offset, inode, length)."""
+    shared file behind it (shm.Backing's fields, then the length)."""
     if t.is_cuda:
         return cumem.export(t)
     n = t.numel() * t.element_size()

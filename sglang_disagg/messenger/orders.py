@@ -36,6 +36,7 @@ class Record:
     posted: int = 0
     completed: int = 0
     failed: str = ""         # this rank: why its writes failed
+    refused: bool = False    # SGLang refused the order as given (too long, ...): the order's fault
     held: bool = False       # finished; waiting for its writes before release
     checkpoint: bool = False
     cancelled: bool = False

@@ -35,7 +35,7 @@ import time
 from array import array
 from typing import Any
 
-from ..backends import PeerState
+from ..backends import PeerState, TransferError
 from . import wire
 from .config import MessengerConfig
 from .inputs import CancelTicket, DecoderJoined, MessengerInput, OrderTicket
@@ -69,6 +69,9 @@ class PrefillMessenger:
         self.node.metrics.watch(self._gauges)
         self.streamer: Streamer | None = None
         self._ticket: Ticket | None = None
+        # Test-only: every write into a decoder fails at posting, as when a decoder's region
+        # descriptor names memory this server cannot map (issue 19).
+        self._fail_writes = os.environ.get(FAULT_ENV) == "fail_writes"
         if cfg.stream and self.ranks.is_leader:
             counter = LayerCounter(scheduler.tp_worker.model_runner.model)
             early = os.environ.get(FAULT_ENV) == "early_writes"  # negative control: write before the KV exists
@@ -155,6 +158,7 @@ class PrefillMessenger:
             top_logprobs_num=0, token_ids_logprob=None, stream=False))
         if rec.req is None:  # refused at intake (too long, ...): SGLang said why in its log
             rec.failed, rec.held = "the prefill server refused the request at intake (see its log)", True
+            rec.refused = True
 
     def _cancel(self, item: CancelTicket) -> None:
         rec = next((r for r in self.records.values() if r.key == item.key and r.order.tag == item.tag), None)
@@ -245,6 +249,9 @@ class PrefillMessenger:
         m = self.node.metrics
         rec.times.setdefault("first_post", time.monotonic())
         try:
+            if self._fail_writes:
+                raise TransferError(f"injected fault ({FAULT_ENV}=fail_writes): this server cannot write into "
+                                    "the decoder's pages")
             for g in groups:
                 fut = post(self.backend, link.peers[g.dst_rank], g, self.node.regions[g.src_rank],
                            link.remote[g.dst_rank], rec.order.tag)
@@ -323,7 +330,7 @@ class PrefillMessenger:
         m, t = self.node.metrics, rec.times
         if failed:
             self.stats["orders_failed"] += 1
-            m.fail(Cause.ABORTED if rec.cancelled else Cause.INTAKE if rec.req is None else Cause.TRANSFER)
+            m.fail(Cause.ABORTED if rec.cancelled else Cause.INTAKE if rec.refused else Cause.TRANSFER)
         elif rec.cancelled:
             m.requests.labels("cancelled").inc()
         else:
@@ -336,7 +343,8 @@ class PrefillMessenger:
         if self.intake is not None and (rec.cancelled or failed):
             self.intake.send(rec.key, wire.Released(rid=rec.order.rid, tag=rec.order.tag) if rec.cancelled else
                              wire.OrderFailed(rid=rec.order.rid, tag=rec.order.tag,
-                                              reason=rec.failed or "KV writes failed on another TP rank"))
+                                              reason=rec.failed or "KV writes failed on another TP rank",
+                                              blame=wire.Blame.ORDER if rec.refused else wire.Blame.SERVER))
 
     def abort(self, recv_req: Any) -> None:
         # Orders still waiting in SGLang's queue hold nothing: finish them here, or SGLang

@@ -11,7 +11,8 @@ Flow (decoder D, prefill server P)::
     D -> P  Hello        first contact: KV spec, TP ranks, region descriptors
     P -> D  Welcome      compatible: P's KV spec and ranks      | Refuse(reason)
     D -> P  PrefillOrder compute token_ids, write pages into dst_pages with immediate `tag`
-    P -> D  OrderFailed  P could not serve it (bad order, write failure): fail it now
+    P -> D  OrderFailed  P could not serve it: fail it now; `blame` says whether the order
+                         itself was refused or P failed a valid one (its link is suspect)
     D -> P  Cancel       D gave up on the order (client abort, deadline)
     P -> D  Released     P will post no more writes for `tag` and none is in flight
 
@@ -20,13 +21,14 @@ There is deliberately no "done" message: D counts the writes carrying `tag`.
 
 from __future__ import annotations
 
+import enum
 import functools
 import json
 import typing
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: OrderFailed.blame
 MAX_TOKENS = 1 << 20
 
 
@@ -104,12 +106,20 @@ class PrefillOrder(Message):
     start_page: int
 
 
+class Blame(enum.Enum):
+    """Whose failure an OrderFailed is: the decoder counts SERVER failures against the link."""
+
+    ORDER = "order"    # refused as given (bad ids, too long for the server): only this request fails
+    SERVER = "server"  # a valid order the server failed to serve (writes, compute)
+
+
 @dataclass(frozen=True, slots=True)
 class OrderFailed(Message):
     TYPE: ClassVar[str] = "failed"
     rid: str
     tag: int
     reason: str
+    blame: Blame
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +166,8 @@ def _to_json(obj: Any) -> Any:
         return {f.name: _to_json(getattr(obj, f.name)) for f in fields(obj)}
     if isinstance(obj, tuple):
         return [_to_json(x) for x in obj]
+    if isinstance(obj, enum.Enum):
+        return obj.value
     return obj
 
 
@@ -194,6 +206,11 @@ def _value(hint: Any, v: Any, where: str) -> Any:
         if not isinstance(v, str):
             raise WireError(f"{where}: expected a string, got {type(v).__name__}")
         return v
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        try:
+            return hint(v)
+        except ValueError:
+            raise WireError(f"{where}: {v!r} is not one of {[m.value for m in hint]}") from None
     if hasattr(hint, "__dataclass_fields__"):
         return _from_json(hint, v, where)
     raise TypeError(f"{where}: unsupported field type {hint!r}")  # a bug in this module

@@ -39,20 +39,21 @@ LONG = 1500               # tokens: ~24 prefill chunks, so a fault lands mid-tra
 
 
 class FaultStack:
-    def __init__(self, root) -> None:
+    def __init__(self, root, p1_env: tuple[tuple[str, str], ...] = ()) -> None:
         self.secret_file = root / "secret"  # one deployment: every server proves the same secret
         self.secret_file.write_text(auth.new_secret() + "\n")
         self.secret_file.chmod(0o600)
-        self.p1, self.p2 = (Stack.for_config(self._cfg(root, Role.PREFILL)) for _ in range(2))
+        self.p1 = Stack.for_config(self._cfg(root, Role.PREFILL, extra_env=p1_env))
+        self.p2 = Stack.for_config(self._cfg(root, Role.PREFILL))
         self.d = Stack.for_config(self._cfg(root, Role.DECODE, prefill_messengers=(self.addr(self.p1),
                                                                                    self.addr(self.p2))))
 
-    def _cfg(self, root, role: Role, **kw) -> LaunchConfig:
+    def _cfg(self, root, role: Role, extra_env: tuple[tuple[str, str], ...] = (), **kw) -> LaunchConfig:
         port = next(_ports)
         # One OpenMP thread each: three servers share two cores.
         return LaunchConfig(role=role, model="tiny-llama", port=port, backend="libfabric", provider="shm",
                             max_total_tokens=8192, extra_args=COMMON_ARGS, transfer_timeout_s=TRANSFER_TIMEOUT_S,
-                            env=(("OMP_NUM_THREADS", "1"),), log_dir=str(root / f"{role.value}-{port}"),
+                            env=(("OMP_NUM_THREADS", "1"),) + extra_env, log_dir=str(root / f"{role.value}-{port}"),
                             secret_file=str(self.secret_file), **kw)
 
     @staticmethod

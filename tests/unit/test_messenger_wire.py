@@ -22,7 +22,7 @@ ORDER = wire.PrefillOrder(rid="r1", tag=7, token_ids=(1, 2, 3), dst_pages=(9,), 
 @pytest.mark.parametrize("msg", [
     HELLO, ORDER,
     wire.Welcome(prefill="prefill", kv=KV, ranks=(wire.RankEndpoint(0, "h:1", "i", ()),)),
-    wire.Refuse(prefill="p", reason="model differs"), wire.OrderFailed(rid="r", tag=1, reason="x"),
+    wire.Refuse(prefill="p", reason="model differs"), wire.OrderFailed(rid="r", tag=1, reason="x", blame=wire.Blame.SERVER),
     wire.Cancel(rid="r", tag=1), wire.Released(rid="r", tag=1),
 ])
 def test_every_message_round_trips_with_named_fields(msg):
@@ -36,20 +36,28 @@ def test_every_message_round_trips_with_named_fields(msg):
     (b"\xff\xfe", "not valid JSON"),
     (b"[1, 2]", "JSON object"),
     (b'{"type": "cancel", "v": 99, "rid": "r", "tag": 1}', "wire version 99"),
-    (b'{"type": "teleport", "v": 1}', "unknown message type"),
-    (b'{"type": "cancel", "v": 1, "rid": "r"}', r"missing \['tag'\]"),
-    (b'{"type": "cancel", "v": 1, "rid": "r", "tag": 1, "extra": 0}', r"unexpected \['extra'\]"),
-    (b'{"type": "cancel", "v": 1, "rid": 5, "tag": 1}', "cancel.rid: expected a string"),
-    (b'{"type": "cancel", "v": 1, "rid": "r", "tag": -1}', "non-negative integer"),
-    (b'{"type": "cancel", "v": 1, "rid": "r", "tag": true}', "non-negative integer"),
-    (b'{"type": "prefill", "v": 1, "rid": "r", "tag": 1, "token_ids": [1, "x"], "dst_pages": [], "start_page": 0}',
+    (b'{"type": "teleport", "v": 2}', "unknown message type"),
+    (b'{"type": "cancel", "v": 2, "rid": "r"}', r"missing \['tag'\]"),
+    (b'{"type": "cancel", "v": 2, "rid": "r", "tag": 1, "extra": 0}', r"unexpected \['extra'\]"),
+    (b'{"type": "cancel", "v": 2, "rid": 5, "tag": 1}', "cancel.rid: expected a string"),
+    (b'{"type": "cancel", "v": 2, "rid": "r", "tag": -1}', "non-negative integer"),
+    (b'{"type": "cancel", "v": 2, "rid": "r", "tag": true}', "non-negative integer"),
+    (b'{"type": "prefill", "v": 2, "rid": "r", "tag": 1, "token_ids": [1, "x"], "dst_pages": [], "start_page": 0}',
      r"token_ids\[1\]"),
-    (b'{"type": "prefill", "v": 1, "rid": "r", "tag": 1, "token_ids": 3, "dst_pages": [], "start_page": 0}',
+    (b'{"type": "prefill", "v": 2, "rid": "r", "tag": 1, "token_ids": 3, "dst_pages": [], "start_page": 0}',
      "token_ids: expected a list"),
 ])
 def test_malformed_messages_are_refused_with_the_reason(raw, error):
+    assert wire.WIRE_VERSION == 2  # the cases above are written for it
     with pytest.raises(wire.WireError, match=error):
         wire.decode(raw)
+
+
+def test_an_order_failure_says_whose_it_is():
+    raw = json.loads(wire.encode(wire.OrderFailed(rid="r", tag=1, reason="x", blame=wire.Blame.ORDER)))
+    assert raw["blame"] == "order"
+    with pytest.raises(wire.WireError, match=r"failed.blame: 'nobody' is not one of \['order', 'server'\]"):
+        wire.decode(json.dumps(raw | {"blame": "nobody"}))
 
 
 def test_nested_fields_are_checked():
