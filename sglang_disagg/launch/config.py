@@ -179,6 +179,18 @@ class LaunchConfig:
             raise ValueError("--role decode in messenger mode needs at least one --prefill-messenger host:port")
 
     @property
+    def served_model_name(self) -> str:
+        """What /v1/models calls the model, and what OpenAI clients must send as "model":
+        a built-in model's name, a directory's last component, or --served-model-name."""
+        args = list(self.extra_args)
+        for i, a in enumerate(args):
+            if a == "--served-model-name" and i + 1 < len(args):
+                return args[i + 1]
+            if a.startswith("--served-model-name="):
+                return a.split("=", 1)[1]
+        return os.path.basename(self.model.rstrip("/")) or self.model
+
+    @property
     def ports(self) -> Ports:
         return Ports(self.port)
 

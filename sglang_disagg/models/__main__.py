@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import sys
 
-from sglang_disagg.models import BUILTIN_MODELS, ensure_model
+from sglang_disagg.models import BUILTIN_MODELS, REAL_MODELS, ModelError, ensure_model
 
 
 def main(argv: list[str]) -> int:
-    names = argv or sorted(BUILTIN_MODELS)
+    names = argv or sorted(BUILTIN_MODELS) + sorted(REAL_MODELS)
     for name in names:
         try:
             print(f"{name}\t{ensure_model(name)}")
-        except ValueError as e:
+        except (ValueError, ModelError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
     return 0

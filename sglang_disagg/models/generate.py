@@ -109,7 +109,12 @@ def ensure_model(name: str, root: Path | None = None) -> Path:
 
     Safe when several processes call it at once: each generates into a private
     temporary directory and renames it into place; the loser discards its copy.
+    A real model (models.real) is converted from its pinned wheel instead.
     """
+    from sglang_disagg.models.real import REAL_MODELS, ensure_real_model
+
+    if name in REAL_MODELS:
+        return ensure_real_model(name, root)
     spec = get_spec(name)
     root = root or models_dir()
     final = root / spec.dirname
@@ -135,13 +140,14 @@ def resolve_model_path(model: str) -> Path:
     Hub ids are not resolved: this project runs without network access, so a
     real model must already be on disk.
     """
+    from sglang_disagg.models.real import REAL_MODELS
     from sglang_disagg.models.specs import BUILTIN_MODELS
 
-    if model in BUILTIN_MODELS:
+    if model in BUILTIN_MODELS or model in REAL_MODELS:
         return ensure_model(model)
     path = Path(model).expanduser()
     if not path.is_dir():
-        known = ", ".join(sorted(BUILTIN_MODELS))
+        known = ", ".join(sorted(BUILTIN_MODELS) + sorted(REAL_MODELS))
         raise FileNotFoundError(
             f"model path {model!r} is not a directory (built-in models: {known})"
         )

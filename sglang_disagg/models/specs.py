@@ -72,12 +72,16 @@ BUILTIN_MODELS: dict[str, ModelSpec] = {
     )
 }
 
-DEFAULT_MODEL = "tiny-llama"
+# A real model (sglang_disagg.models.real): what `make run` and the launcher serve by default.
+DEFAULT_MODEL = "smollm2-135m"
 
 
 def get_spec(name: str) -> ModelSpec:
+    """A random-weight model's shape (real models have none: see models.real)."""
     try:
         return BUILTIN_MODELS[name]
     except KeyError:
-        known = ", ".join(sorted(BUILTIN_MODELS))
+        from sglang_disagg.models.real import REAL_MODELS
+
+        known = ", ".join(sorted(BUILTIN_MODELS) + sorted(REAL_MODELS))
         raise ValueError(f"unknown built-in model {name!r}; known: {known} (or pass a directory)") from None

@@ -24,10 +24,16 @@ def _launch(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
 
 
 def test_role_all_smoke_runs_through_the_messenger_by_default(tmp_path):
+    """The default: the real model smollm2-135m, disaggregated, answers a factual question
+    in English (weights, tokenizer and chat template survived the conversion and the KV
+    the transfer)."""
     r = _launch("--role", "all", "--smoke", "--port", str(next(_ports)), "--log-dir", str(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "router routes requests" in r.stdout
-    assert "completion (32 tokens" in r.stdout
+    assert "with model" in r.stdout and "smollm2-135m-" in r.stdout
+    lines = r.stdout.splitlines()
+    asked = next(i for i, line in enumerate(lines) if "asked 'What is the capital of France?'" in line)
+    assert lines[asked + 1].strip() == "The capital of France is Paris.", lines[asked:asked + 2]
     # The launcher says which mode and backend carried the request, from the decoder's counters.
     carried = next(line for line in r.stdout.splitlines() if "carried by:" in line)
     assert "mode messenger, backend libfabric/shm" in carried
@@ -43,8 +49,8 @@ def test_role_all_smoke_runs_through_the_messenger_by_default(tmp_path):
 
 
 def test_upstream_mode_smoke(tmp_path):
-    r = _launch("--role", "all", "--mode", "upstream", "--smoke", "--port", str(next(_ports)),
-                "--log-dir", str(tmp_path))
+    r = _launch("--role", "all", "--mode", "upstream", "--smoke", "--model-path", "tiny-llama",
+                "--port", str(next(_ports)), "--log-dir", str(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "carried by: mode upstream, backend mooncake" in r.stdout
     # SGLang's own PD path: the router sent the chat request to both servers.
@@ -54,8 +60,8 @@ def test_upstream_mode_smoke(tmp_path):
 
 
 def test_server_dying_during_startup_shows_its_log(tmp_path):
-    r = _launch("--role", "colocated", "--port", str(next(_ports)), "--log-dir", str(tmp_path),
-                "--attention-backend", "no-such-backend", timeout=120)
+    r = _launch("--role", "colocated", "--model-path", "tiny-llama", "--port", str(next(_ports)),
+                "--log-dir", str(tmp_path), "--attention-backend", "no-such-backend", timeout=120)
     assert r.returncode == 1
     assert "colocated exited with code" in r.stderr
     assert "no-such-backend" in r.stderr  # SGLang's own complaint, from the log tail
@@ -70,7 +76,7 @@ def test_missing_model_path_is_a_clear_error(tmp_path):
 def test_sigterm_lets_the_request_in_flight_finish_then_stops_everything(tmp_path):
     port = next(_ports)
     proc = subprocess.Popen([sys.executable, "-m", "sglang_disagg.launch", "--role", "all", "--port", str(port),
-                             "--log-dir", str(tmp_path), "--drain-timeout", "60"],
+                             "--model-path", "tiny-llama", "--log-dir", str(tmp_path), "--drain-timeout", "60"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out: list[str] = []
     reader = threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True)
@@ -100,3 +106,24 @@ def test_sigterm_lets_the_request_in_flight_finish_then_stops_everything(tmp_pat
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(("127.0.0.1", p))
+
+
+def test_a_port_taken_after_the_check_stops_the_launch_with_one_line(tmp_path, monkeypatch):
+    """Another process takes a planned port between the launcher's check and the server's
+    bind (in the ephemeral range any outgoing connection can): one line naming the port and
+    its purpose, not the server's traceback."""
+    from sglang_disagg.launch import LaunchConfig, Role, Stack, stack as stack_mod
+    from sglang_disagg.launch.process import StartupError
+
+    monkeypatch.setattr(stack_mod, "check_ports_free", lambda cfg: None)  # the race: checked free, then taken
+    cfg = LaunchConfig(role=Role.COLOCATED, model="tiny-llama", port=next(_ports), log_dir=str(tmp_path))
+    s = Stack.for_config(cfg)
+    with socket.socket() as holder:
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        holder.bind(("127.0.0.1", cfg.port))
+        holder.listen()
+        with pytest.raises(StartupError) as e:
+            s.start()
+    msg = str(e.value)
+    assert msg.startswith(f"colocated exited during start-up: could not bind port {cfg.port} (colocated server)"), msg
+    assert "Traceback" not in msg and "\n" not in msg

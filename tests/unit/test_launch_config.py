@@ -102,12 +102,21 @@ def test_a_messenger_stack_adds_its_decoder_to_its_router_itself():
 
 
 def test_servers_answer_health_probes_without_the_scheduler_and_by_model_name():
-    cfg, _ = parse(["--role", "all", "--mode", "upstream"])
+    cfg, _ = parse(["--role", "all", "--mode", "upstream", "--model-path", "tiny-llama"])
     for role in (Role.PREFILL, Role.DECODE):
         spec = server_spec(cfg, role, "/cache/tiny-llama-123", builtin=True)
         assert dict(spec.env)["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "0"
         argv = list(spec.argv)
         assert argv[argv.index("--served-model-name") + 1] == "tiny-llama"
+    # The router (smg) routes OpenAI requests by this name: a directory is served by its own name,
+    # unless --served-model-name says otherwise.
+    cfg, _ = parse(["--role", "colocated", "--model-path", "/models/my-model/"])
+    argv = list(server_spec(cfg, Role.COLOCATED, "/models/my-model", builtin=False).argv)
+    assert argv[argv.index("--served-model-name") + 1] == "my-model" == cfg.served_model_name
+    cfg, _ = parse(["--role", "colocated", "--model-path", "/models/x", "--served-model-name", "alias"])
+    assert cfg.served_model_name == "alias"
+    argv = list(server_spec(cfg, Role.COLOCATED, "/models/x", builtin=False).argv)
+    assert argv[len(argv) - 1 - argv[::-1].index("--served-model-name") + 1] == "alias"  # the last one wins
 
 
 def test_tp2_binds_one_core_set_per_rank():
@@ -166,3 +175,32 @@ def test_servers_started_one_by_one_need_the_deployments_secret(tmp_path, monkey
     secret = tmp_path / "all" / "secret"  # --role all makes its own, private, and hands it to both servers
     assert secret.stat().st_mode & 0o077 == 0 and auth.load_secret({auth.SECRET_FILE_ENV: str(secret)})
     assert all(dict(p.spec.env)[auth.SECRET_FILE_ENV] == str(secret) for p in stack.servers)
+
+
+def test_a_port_plan_inside_the_ephemeral_range_is_warned_about():
+    from sglang_disagg.launch.preflight import ephemeral_overlap, ephemeral_range
+
+    lo, hi = ephemeral_range()
+    inside = LaunchConfig(role=Role.ALL, model="tiny-llama", port=lo + 232)
+    warning = ephemeral_overlap(inside)
+    assert f"ports {lo + 232}-{lo + 241} lie in the kernel's ephemeral port range {lo}-{hi}" in warning
+    assert f"a --port below {lo - 10}" in warning
+    assert ephemeral_overlap(LaunchConfig(role=Role.ALL, model="tiny-llama", port=lo - 20)) == ""
+
+
+def test_a_bind_failure_names_the_port_its_purpose_and_the_way_out():
+    import socket
+
+    from sglang_disagg.launch.preflight import bind_failure, ephemeral_range
+
+    lo, _ = ephemeral_range()
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]  # an ephemeral port, as another process's connection takes
+        log = "Traceback ...\nOSError: [Errno 98] Address already in use\n"
+        line = bind_failure(log, (("decode server", port - 1 if port > lo else port + 1), ("decode metrics", port)),
+                            "127.0.0.1")
+    assert line.startswith(f"could not bind port {port} (decode metrics) on 127.0.0.1: another process took it")
+    assert f"pick a --port below {lo - 10}" in line and "\n" not in line
+    assert bind_failure("ValueError: something else", (("x", port),), "127.0.0.1") == ""

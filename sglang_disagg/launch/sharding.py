@@ -1,0 +1,94 @@
+"""Whether a model can be sharded by the TP sizes asked for, decided from its config.json
+before any server starts (pure: the config and the machine's core count come in).
+
+SGLang shards attention by heads (QKVParallelLinear: query heads divide by TP; KV heads
+divide by TP, or TP by KV heads, which then replicates them) and the MLP by its
+intermediate size; the messenger's planner must map every prefill rank's KV heads onto the
+decode ranks'; and on CPU every rank of a server needs a core. A size that fails any of
+these would die minutes into start-up with a shape error from deep inside SGLang, or not
+at all and produce wrong KV: refuse it now, naming the model's head counts and the sizes
+that would work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+MAX_TP = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    heads: int
+    kv_heads: int
+    intermediate: int
+    head_dim: int
+    replicated_kv: bool  # MLA: every rank holds the whole latent KV
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any]) -> Shape:
+        cfg = cfg.get("text_config", cfg)
+        heads = int(cfg["num_attention_heads"])
+        kv = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+        return cls(heads, kv, int(cfg.get("intermediate_size") or 0), head_dim, "kv_lora_rank" in cfg)
+
+    def describe(self) -> str:
+        mlp = f", MLP intermediate size {self.intermediate}" if self.intermediate else ""
+        return f"{self.heads} attention heads / {self.kv_heads} KV heads{mlp}"
+
+
+def why_not(shape: Shape, tp: int, cpus: int | None) -> str:
+    """Why one server cannot run the model with this TP size ("" if it can)."""
+    if tp < 1:
+        return "TP must be >= 1"
+    if shape.heads % tp:
+        return f"{shape.heads} attention heads do not divide by {tp}"
+    if not shape.replicated_kv:
+        if tp <= shape.kv_heads and shape.kv_heads % tp:
+            return f"{shape.kv_heads} KV heads do not divide by {tp}"
+        if tp > shape.kv_heads and tp % shape.kv_heads:
+            return f"TP {tp} is not a multiple of the {shape.kv_heads} KV heads (replicating them needs it)"
+    if shape.intermediate and shape.intermediate % tp:
+        return f"the MLP's intermediate size {shape.intermediate} does not divide by {tp}"
+    if cpus is not None and tp > cpus:
+        return f"{tp} ranks need {tp} cores and this machine has {cpus}"
+    return ""
+
+
+def pair_problem(shape: Shape, prefill_tp: int, decode_tp: int) -> str:
+    """Why the planner cannot map prefill TP ranks onto decode TP ranks ("" if it can)."""
+    from sglang_disagg.messenger.planner import KVGeometry, ShardPlan
+
+    geometry = KVGeometry(num_layers=1, kv_heads=shape.kv_heads, head_dim=shape.head_dim,
+                          v_head_dim=shape.head_dim, page_size=16, dtype_bytes=4, replicated=shape.replicated_kv)
+    try:
+        ShardPlan.build(geometry, prefill_tp, decode_tp)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def check(model: str, cfg: dict[str, Any], tps: dict[str, int], cpus: int | None, messenger_pair: bool) -> None:
+    """Raise ValueError when a server of `tps` ({"--prefill-tp": 2, ...}) cannot shard the
+    model, or (messenger_pair, with both sizes given) the planner cannot pair them."""
+    try:
+        shape = Shape.from_config(cfg)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return  # not a decoder-only config we can read: SGLang decides
+    allowed = [t for t in range(1, MAX_TP + 1) if not why_not(shape, t, None)]
+    fit = [t for t in allowed if cpus is None or t <= cpus]
+    sizes = ", ".join(map(str, allowed)) + ("" if fit == allowed else
+                                            f" (with this machine's {cpus} cores: {', '.join(map(str, fit))})")
+    for flag, tp in tps.items():
+        reason = why_not(shape, tp, cpus)
+        if reason:
+            raise ValueError(f"{flag} {tp} cannot shard {model} ({shape.describe()}): {reason}; "
+                             f"TP sizes that work: {sizes}")
+    if messenger_pair and len(tps) == 2:
+        p, d = tps.values()
+        reason = pair_problem(shape, p, d)
+        if reason:
+            raise ValueError(f"prefill TP {p} -> decode TP {d} cannot carry {model}'s KV "
+                             f"({shape.describe()}): {reason}")
