@@ -1,4 +1,4 @@
-"""Bounded load test through the real sglang-router in front of the launcher's default stack
+"""Bounded load test through the real router (smg) in front of the launcher's default stack
 (`--role all`: messenger mode, libfabric shm), with an abort storm, then the checks a
 production roll-out would want before trusting it:
 

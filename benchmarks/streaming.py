@@ -169,10 +169,11 @@ def main(argv: list[str]) -> int:
         for r in rows:
             r[f"{base}_ttft_ms"] = ttft.get(r["prompt_tokens"])
     rows = [r for r in rows if not r["config"].startswith("colocated")]
-    from sglang_disagg.models import BUILTIN_MODELS
+    from sglang_disagg.models import resolve_model_path
 
-    spec = BUILTIN_MODELS[args.model]
-    write_bytes = 16 * spec.num_kv_heads * spec.resolved_head_dim * 4  # one page of K or V, float32
+    model_cfg = json.loads((resolve_model_path(args.model) / "config.json").read_text())
+    head_dim = model_cfg.get("head_dim") or model_cfg["hidden_size"] // model_cfg["num_attention_heads"]
+    write_bytes = 16 * model_cfg["num_key_value_heads"] * head_dim * 4  # one page of K or V, float32
     streaming = configs["streaming"]
     turns = {"with_reuse": chat_bytes(dataclasses.replace(streaming, log_dir=str(logs / "chat-reuse")), write_bytes),
              "without_reuse": chat_bytes(dataclasses.replace(streaming, reuse_prefix=False,

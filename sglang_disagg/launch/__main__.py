@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import dataclasses
 import signal
 import sys
@@ -12,7 +11,7 @@ import time
 from sglang_disagg.launch.client import chat
 from sglang_disagg.launch.config import LaunchConfig, Mode, Role
 from sglang_disagg.launch.deploy import load as load_deployment
-from sglang_disagg.launch.preflight import PreflightError
+from sglang_disagg.launch.preflight import PreflightError, ephemeral_overlap
 from sglang_disagg.launch.process import StartupError, log_tail
 from sglang_disagg.launch.stack import Stack
 from sglang_disagg.models import DEFAULT_MODEL, ModelError

@@ -11,7 +11,7 @@ class Role(str, Enum):
     PREFILL = "prefill"
     DECODE = "decode"
     ROUTER = "router"
-    ALL = "all"  # 1 prefill + 1 decode + the sglang-router, on this machine
+    ALL = "all"  # 1 prefill + 1 decode + the router (smg), on this machine
     COLOCATED = "colocated"  # one ordinary SGLang server: the A/B baseline
 
 

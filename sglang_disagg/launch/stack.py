@@ -1,7 +1,7 @@
 """A set of processes started, health-checked and stopped together.
 
 ``Stack.for_config(cfg)`` builds the processes a role needs on this machine:
-``all`` = prefill + decode (started concurrently) and the sglang-router (in
+``all`` = prefill + decode (started concurrently) and the router, smg (in
 messenger mode started with them and given the decoder once it is healthy; upstream, in PD
 mode, once both servers are); ``colocated`` / ``prefill`` / ``decode`` = one server; ``router`` = the
 router in front of remote workers. ``start()`` returns once the front door

@@ -102,7 +102,7 @@ def _freed(stack, since: float) -> tuple[float, float]:
 
 def test_a_client_leaving_mid_prefill_frees_both_servers(stack, references):
     """Straight to the decoder: before the first token nothing flows to the client, and
-    sglang-router notices a departed client only when it next writes to it (so through the
+    the router notices a departed client only when it next writes to it (so through the
     router this case is bounded by the first token, then the mid-decode case applies)."""
     prefill = stack.servers[0]
     aborted = value(metrics(stack, "decode"), "sglang_disagg_failures_total", cause="aborted")
