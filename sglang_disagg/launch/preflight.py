@@ -14,15 +14,19 @@ class PreflightError(RuntimeError):
     pass
 
 
+def _held(host: str, port: int) -> bool:
+    """Someone else has bound (host, port)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
 def check_ports_free(cfg: LaunchConfig) -> None:
-    busy = []
-    for what, port in cfg.ports.all(cfg.role, cfg.mode).items():
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind((cfg.host, port))
-            except OSError:
-                busy.append(f"{port} ({what})")
+    busy = [f"{port} ({what})" for what, port in cfg.ports.all(cfg.role, cfg.mode).items() if _held(cfg.host, port)]
     if busy:
         raise PreflightError(
             f"port(s) in use on {cfg.host}: {', '.join(busy)}; stop what holds them or pick another "
@@ -58,14 +62,7 @@ def bind_failure(log_text: str, ports: tuple[tuple[str, int], ...], host: str) -
     fail that way): which of its ports is now held by someone else."""
     if "Address already in use" not in log_text and "Errno 98" not in log_text:
         return ""
-    held = []
-    for what, port in ports:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind((host, port))
-            except OSError:
-                held.append(f"{port} ({what})")
+    held = [f"{port} ({what})" for what, port in ports if _held(host, port)]
     where = ", ".join(held) if held else " or ".join(f"{p} ({w})" for w, p in ports) or "one of its ports"
     rng = ephemeral_range()
     hint = (f"; it lies in the ephemeral range {rng[0]}-{rng[1]}, where outgoing connections take ports: "

@@ -46,10 +46,12 @@ def why_not(shape: Shape, tp: int, cpus: int | None) -> str:
     if shape.heads % tp:
         return f"{shape.heads} attention heads do not divide by {tp}"
     if not shape.replicated_kv:
-        if tp <= shape.kv_heads and shape.kv_heads % tp:
-            return f"{shape.kv_heads} KV heads do not divide by {tp}"
-        if tp > shape.kv_heads and tp % shape.kv_heads:
-            return f"TP {tp} is not a multiple of the {shape.kv_heads} KV heads (replicating them needs it)"
+        from sglang_disagg.messenger.planner import rank_heads  # SGLang's KV split/replication rule
+
+        try:
+            rank_heads(shape.kv_heads, tp, 0)
+        except ValueError as e:
+            return str(e)
     if shape.intermediate and shape.intermediate % tp:
         return f"the MLP's intermediate size {shape.intermediate} does not divide by {tp}"
     if cpus is not None and tp > cpus:
