@@ -1,14 +1,46 @@
 #!/usr/bin/env bash
 # Set up everything sglang-disagg needs on a fresh Debian machine, idempotently:
-# Debian packages, .venv with the pinned CPU environment, our package (builds
-# the libfabric shim), the SGLang patch series, the default built-in model.
+# Debian packages, .venv with the pinned environment for the device (CPU, or CUDA
+# when DEVICE=cuda or a GPU is present), our package (builds the libfabric shim),
+# the SGLang patch series, the default built-in model.
 # Re-running is quick: each step is skipped when its inputs did not change.
+# `setup.sh --print-locks` only prints the lock files it would install, in order.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 VENV=$ROOT/.venv
 PY=$VENV/bin/python
 log() { printf '[setup] %s\n' "$*"; }
+
+# 0. The device the environment is for: DEVICE=cpu|cuda, else cuda when `nvidia-smi -L`
+#    lists a GPU (a driver without a GPU, or no driver, is cpu). The device's lock is the
+#    full resolution; build.lock and nixl.lock are shared by both.
+resolve_device() {
+  case "${DEVICE:-}" in
+    cpu | cuda) echo "$DEVICE" ;;
+    # grep without -q reads all of it: an early exit could SIGPIPE nvidia-smi, and pipefail
+    # would then read a listed GPU as none
+    "") if nvidia-smi -L 2>/dev/null | grep '^GPU ' >/dev/null; then echo cuda; else echo cpu; fi ;;
+    *) echo "error: DEVICE=$DEVICE: expected cpu or cuda (or unset: cuda when a GPU is present)" >&2
+       return 1 ;;
+  esac
+}
+DEVICE=$(resolve_device)
+LOCKS=(requirements/build.lock "requirements/$DEVICE.lock" requirements/nixl.lock)
+if [ "${1:-}" = "--print-locks" ]; then printf '%s\n' "${LOCKS[@]}"; exit 0; fi
+[ "$DEVICE" = cpu ] || log "device: $DEVICE (requirements/$DEVICE.lock)"
+# One venv holds one device's environment: the locks install different builds of the same
+# modules (Mooncake's `mooncake`, numpy, ...) with --no-deps, so a switch in place would
+# leave a mix. Checked before anything is installed. No .device file: a CPU venv.
+DEPS_STAMP=$VENV/.deps-stamp
+DEVICE_FILE=$VENV/.device
+if [ -f "$DEPS_STAMP" ] || [ -f "$DEVICE_FILE" ]; then
+  had=$(cat "$DEVICE_FILE" 2>/dev/null || echo cpu)
+  if [ "$had" != "$DEVICE" ]; then
+    echo "error: $VENV holds the $had environment, not $DEVICE: remove it (rm -rf .venv) and run again" >&2
+    exit 1
+  fi
+fi
 
 # 1. Debian packages: libfabric (our backend), ibverbs + numa (Mooncake's engine loads them).
 APT_PKGS=(libfabric-dev libfabric-bin libibverbs1 libnuma1)
@@ -35,13 +67,14 @@ stamp() { cat "$@" | sha256sum | cut -c1-16; }
 PIP="$PY -m pip --disable-pip-version-check -q"
 
 # 3. Pinned dependencies: the lock files are the full resolution, so --no-deps.
-DEPS_STAMP=$VENV/.deps-stamp
-want=$(stamp requirements/build.lock requirements/cpu.lock requirements/nixl.lock)
+want=$(stamp "${LOCKS[@]}")
 if [ "$(cat "$DEPS_STAMP" 2>/dev/null)" != "$want" ]; then
   log "installing pinned dependencies (first time: a few minutes)"
+  # marked first, so that a half-done CUDA install is not taken for a CPU venv
+  [ "$DEVICE" = cpu ] || echo "$DEVICE" > "$DEVICE_FILE"
   $PIP install --upgrade "pip>=24" >/dev/null
   $PIP install -r requirements/build.lock
-  $PIP install --no-deps -r requirements/cpu.lock
+  $PIP install --no-deps -r "requirements/$DEVICE.lock"
   $PIP install --no-deps -r requirements/nixl.lock
   echo "$want" > "$DEPS_STAMP"
 fi

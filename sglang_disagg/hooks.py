@@ -124,10 +124,42 @@ def after_kv_received(scheduler: Any, req: Any) -> None:
 # unchanged. One messenger per scheduler process (TP rank).
 _messenger: Any = None
 _waiter: Any = None
+_counter: Any = None  # the prefill leader's LayerCounter, made at model load (before graph capture)
 
 
 def messenger() -> Any:
     return _messenger
+
+
+def device_name(model_runner: Any) -> str:
+    """'cpu' or 'cuda:N' for the device a model runner computes on."""
+    device = str(model_runner.device)
+    return f"{device}:{model_runner.gpu_id}" if device == "cuda" else device
+
+
+def model_loaded(model_runner: Any) -> None:
+    """End of ModelRunner.initialize(): the model exists and no CUDA graph was captured yet.
+    A streaming prefill server's leader puts its layer counter on the model now, so that
+    capture records the counter's device work and every replay runs it (hooks added after
+    capture, as at scheduler_ready, would never run under replay)."""
+    global _counter
+    from sglang_disagg.messenger.config import MessengerConfig, MessengerRole
+
+    cfg = MessengerConfig.from_env()
+    if cfg is None or cfg.role is not MessengerRole.PREFILL or not cfg.stream or model_runner.is_draft_worker:
+        return
+    from sglang.srt.runtime_context import get_parallel
+
+    if get_parallel().tp_rank != 0:  # the leader streams for every rank (stream.py)
+        return
+    from sglang_disagg.devices import for_device
+    from sglang_disagg.messenger.layers import LayerCounter
+
+    _counter = LayerCounter(model_runner.model, for_device(device_name(model_runner)).layer_word())
+
+
+def layer_counter() -> Any:
+    return _counter
 
 
 def kv_zeros(shape: Any, dtype: Any, device: Any) -> Any:

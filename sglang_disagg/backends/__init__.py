@@ -32,6 +32,7 @@ _BUILTIN = {
     "nixl": "sglang_disagg.backends.nixl:NixlBackend",
     "mooncake": "sglang_disagg.backends.mooncake:MooncakeBackend",
     "shmem": "sglang_disagg.backends.shmem:ShmemBackend",
+    "cudaipc": "sglang_disagg.backends.cudaipc:CudaIpcBackend",
 }
 _registry: dict[str, str] = dict(_BUILTIN)
 _lock = threading.Lock()

@@ -44,17 +44,23 @@ from typing import Any, ClassVar
 
 from . import control
 from .config import BackendConfig
-from .errors import DeadlineExceeded, DescriptorError, PeerLostError, TransferError
+from .errors import DeadlineExceeded, DescriptorError, PeerLostError, TransferError, UnsupportedMemory
 from .expect import ExpectTracker
 from .future import TransferFuture
 from .peers import Peer, PeerTable
-from .regions import (DESCRIPTOR_VERSION, MemoryRegion, NativeRegistration, PageWrite, PeerState, RegionDescriptor,
-                      RemoteRegion)
+from .regions import (DESCRIPTOR_VERSION, HOST, Memory, MemoryKind, MemoryRegion, NativeRegistration, PageWrite, PeerState,
+                      RegionDescriptor, RemoteRegion)
 from .validate import check_uniform, check_write
 
 __all__ = ["BackendConfig", "MemoryRegion", "PageWrite", "Peer", "PeerState", "RegionDescriptor",
            "RemoteRegion", "TransferBackend", "TransferFuture"]
 
+
+
+def host_only(backend: Any, memory: Memory) -> None:
+    """For a backend (or a build of its library) that registers host memory only."""
+    if memory.kind is not MemoryKind.HOST:
+        raise UnsupportedMemory(f"{backend.name}: cannot register {memory}: this backend registers host memory only")
 
 class TransferBackend(ABC):
     name: ClassVar[str] = "abstract"
@@ -104,7 +110,9 @@ class TransferBackend(ABC):
     @abstractmethod
     def _native_disconnect(self, peer: Peer) -> None: ...
     @abstractmethod
-    def _native_register(self, addr: int, length: int) -> NativeRegistration: ...
+    def _native_register(self, addr: int, length: int, memory: Memory) -> NativeRegistration:
+        """Register [addr, addr+length) of `memory`'s kind; raise UnsupportedMemory for a kind
+        this backend cannot register (never fall back to treating device memory as host)."""
     @abstractmethod
     def _native_deregister(self, reg: NativeRegistration) -> None: ...
     @abstractmethod
@@ -166,12 +174,16 @@ class TransferBackend(ABC):
         """Where peers connect (host:port of the control channel)."""
         return self._server.address
 
-    def register(self, addr: int, length: int) -> tuple[MemoryRegion, bytes]:
+    def register(self, addr: int, length: int, memory: Memory = HOST) -> tuple[MemoryRegion, bytes]:
+        """Register local memory for peers to write into (and for our writes to read from);
+        `memory` says whether it is host or CUDA device memory, and which device."""
         self._check_open()
         if not isinstance(addr, int) or not isinstance(length, int) or addr <= 0 or length <= 0:
             raise DescriptorError(f"register: need addr > 0 and length > 0, got addr={addr!r} length={length!r}")
-        reg = self._native_register(addr, length)
-        region = MemoryRegion(next(self._region_ids), addr, length, self.instance)
+        if not isinstance(memory, Memory):
+            raise DescriptorError(f"register: memory must be a Memory, got {memory!r}")
+        reg = self._native_register(addr, length, memory)
+        region = MemoryRegion(next(self._region_ids), addr, length, self.instance, memory)
         with self._lock:
             self._regions[region.id] = (region, reg)
         return region, self.descriptor(region)

@@ -23,6 +23,11 @@ class DescriptorError(TransferError, ValueError):
     """A descriptor or a write request is malformed or out of bounds; nothing was posted."""
 
 
+class UnsupportedMemory(DescriptorError):
+    """register() was given a memory kind (e.g. CUDA device memory) this backend, its
+    provider or this build of its library cannot register; the message names which and why."""
+
+
 class BackendUnavailable(TransferError, ImportError):
     """The backend cannot run here (optional library missing, provider absent)."""
 

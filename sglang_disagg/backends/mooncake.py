@@ -11,11 +11,16 @@ Mapping onto the contract:
 - failures: Mooncake returns bare integers (details go to its glog); they become
   TransferError naming the code. A dead peer gives -1 (connection reset) on the next
   write; the control channel notices it first.
+- memory: host memory registers with Mooncake's default location ("*": found from NUMA);
+  CUDA memory with location "cuda:N", only when a CUDA build of the wheel is installed
+  (the non-CUDA wheel would treat a device pointer as host memory): else UnsupportedMemory.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.metadata
 import logging
 import queue
 import threading
@@ -25,9 +30,9 @@ from typing import Any
 
 from .base import TransferBackend
 from .messages import notif_text, parse_notif
-from .errors import BackendUnavailable, DescriptorError, TransferError
+from .errors import BackendUnavailable, DescriptorError, TransferError, UnsupportedMemory
 from .peers import Peer
-from .regions import NativeRegistration, PageWrite, RegionDescriptor
+from .regions import Memory, MemoryKind, NativeRegistration, PageWrite, RegionDescriptor
 
 MAX_ENTRIES = 512
 MAX_BYTES = 32 << 20
@@ -45,6 +50,37 @@ def _import_mooncake() -> Any:
             f"Mooncake not importable ({e}): pip install mooncake-transfer-engine-non-cuda==0.3.13.post1 "
             "and apt install libibverbs1 libnuma1") from e
     return engine
+
+
+# Mooncake's wheels (one `mooncake` package each): which were built with CUDA.
+CUDA_WHEELS = ("mooncake-transfer-engine-cuda13", "mooncake-transfer-engine", "mooncake-transfer-engine-efa-cuda13",
+               "mooncake-transfer-engine-efa")
+HOST_WHEELS = ("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine-efa-non-cuda")
+
+
+@functools.cache
+def installed_wheels() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(CUDA wheels, non-CUDA wheels) installed here."""
+    def have(name: str) -> bool:
+        try:
+            importlib.metadata.distribution(name)
+            return True
+        except importlib.metadata.PackageNotFoundError:
+            return False
+    return tuple(filter(have, CUDA_WHEELS)), tuple(filter(have, HOST_WHEELS))
+
+
+def cuda_location(memory: Memory) -> str:
+    """Mooncake's location for CUDA memory, or UnsupportedMemory if this install has no CUDA."""
+    with_cuda, without = installed_wheels()
+    if not with_cuda or without:
+        have = ", ".join(with_cuda + without) or "no known Mooncake wheel"
+        raise UnsupportedMemory(
+            f"mooncake: cannot register {memory}: the installed Mooncake ({have}) "
+            f"{'has no CUDA support' if not with_cuda else 'mixes CUDA and non-CUDA wheels'}; "
+            "install exactly one CUDA build: mooncake-transfer-engine-cuda13 (CUDA 13) or "
+            "mooncake-transfer-engine (CUDA 12)")
+    return f"cuda:{memory.device}"
 
 
 def _rc(what: str, rc: int) -> TransferError:
@@ -73,7 +109,8 @@ class MooncakeBackend(TransferBackend):
             _import_mooncake()
         except BackendUnavailable as e:
             return False, str(e)
-        return True, "TCP transport, P2P handshake"
+        with_cuda, without = installed_wheels()
+        return True, f"TCP transport, P2P handshake, {'host and CUDA' if with_cuda and not without else 'host'} memory"
 
     def _provider_label(self) -> str:
         return "tcp"
@@ -127,10 +164,13 @@ class MooncakeBackend(TransferBackend):
                 t.start()
             return q
 
-    def _native_register(self, addr: int, length: int) -> NativeRegistration:
-        rc = self._te.register_memory(addr, length)
+    def _native_register(self, addr: int, length: int, memory: Memory) -> NativeRegistration:
+        if memory.kind is MemoryKind.HOST:
+            rc = self._te.register_memory(addr, length)
+        else:
+            rc = self._te.register_memory(addr, length, cuda_location(memory))
         if rc != 0:
-            raise _rc("register_memory", rc)
+            raise _rc(f"register_memory ({memory})", rc)
         return NativeRegistration(addr, addr, 0, {"session": self._session})
 
     def _native_deregister(self, reg: NativeRegistration) -> None:

@@ -1,4 +1,4 @@
-"""NIXL adapter (UCX plugin, host DRAM).
+"""NIXL adapter (UCX plugin; host DRAM and CUDA VRAM, see nixl_memory.py).
 
 Mapping onto the contract:
 - immediates: NIXL has no counters; each batch is one NIXL transfer whose notification
@@ -9,6 +9,9 @@ Mapping onto the contract:
   peer loss comes from the control channel (UCX error mode "none" never reports it).
 - UCX: error-handling mode "none" (the default "peer" mode excludes shared-memory
   transports and loses target->initiator notifications); UCX_NET_DEVICES=lo on loopback.
+- a refused VRAM registration leaves NIXL 1.5.1's agent metadata with an empty VRAM section
+  that peers cannot load (loadRemoteMD: NIXL_ERR_NOT_FOUND, seen here): the backend then
+  refuses peers and registrations naming why (the messenger exits at start-up anyway).
 """
 
 from __future__ import annotations
@@ -22,11 +25,12 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from . import nixl_memory
 from .base import TransferBackend
 from .messages import notif_text, parse_notif
-from .errors import BackendUnavailable, DescriptorError, PeerLostError, TransferError
+from .errors import BackendUnavailable, DescriptorError, PeerLostError, TransferError, UnsupportedMemory
 from .peers import Peer
-from .regions import NativeRegistration, PageWrite, RegionDescriptor
+from .regions import Memory, NativeRegistration, PageWrite, RegionDescriptor
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +110,7 @@ class NixlBackend(TransferBackend):
             _import_nixl()
         except BackendUnavailable as e:
             return False, str(e)
-        return True, "UCX plugin, DRAM"
+        return True, "UCX plugin, DRAM and VRAM"
 
     def _provider_label(self) -> str:
         return "ucx"
@@ -126,6 +130,7 @@ class NixlBackend(TransferBackend):
         self._xfers: dict[int, tuple[Any, str]] = {}   # batch id -> (handle, peer id)
         self._zombies: list[Any] = []                   # handles NIXL would not release yet
         self._xlock = threading.Lock()
+        self._unusable = ""  # why peers could no longer load our metadata
         self._stop = threading.Event()
         self._poller = threading.Thread(target=self._poll_loop, name="nixl-progress", daemon=True)
         self._poller.start()
@@ -133,7 +138,12 @@ class NixlBackend(TransferBackend):
     def _metadata(self) -> str:
         return base64.b64encode(self._agent.get_agent_metadata()).decode()
 
+    def _check_usable(self) -> None:
+        if self._unusable:
+            raise TransferError(self._unusable)
+
     def _endpoint_info(self) -> dict[str, Any]:
+        self._check_usable()
         return {"agent": self._agent_name, "md": self._metadata()}
 
     def _load_remote(self, md_b64: str) -> str:
@@ -144,6 +154,7 @@ class NixlBackend(TransferBackend):
         return name.decode() if isinstance(name, bytes) else str(name)
 
     def _native_connect(self, peer: Peer) -> None:
+        self._check_usable()
         if "agent" not in peer.endpoint or "md" not in peer.endpoint:
             raise TransferError("peer hello lacks NIXL agent metadata")
         peer.native = self._load_remote(peer.endpoint["md"])
@@ -151,6 +162,7 @@ class NixlBackend(TransferBackend):
     def _check_remote(self, peer: Peer, d: RegionDescriptor) -> None:
         if d.extra.get("agent") != peer.native or not isinstance(d.extra.get("md"), str):
             raise DescriptorError(f"NIXL descriptor names agent {d.extra.get('agent')!r}, peer is {peer.native!r}")
+        nixl_memory.remote_segment(d.extra)
         # Load the agent metadata carried by the descriptor (it knows this region); NIXL
         # updates a known agent in place, so transfers in flight are untouched.
         self._load_remote(d.extra["md"])
@@ -166,14 +178,25 @@ class NixlBackend(TransferBackend):
             with contextlib.suppress(Exception):
                 self._agent.remove_remote_agent(agent)
 
-    def _native_register(self, addr: int, length: int) -> NativeRegistration:
+    def _native_register(self, addr: int, length: int, memory: Memory) -> NativeRegistration:
+        self._check_usable()
+        mem, dev = nixl_memory.segment(memory)
         try:
-            descs = self._agent.register_memory([(addr, length, 0, "")], "DRAM")
+            descs = self._agent.register_memory([(addr, length, dev, "")], mem)
+            why = "" if descs is not None else "failed"
         except Exception as e:  # noqa: BLE001
-            raise TransferError(f"NIXL register_memory: {e}") from e
-        if descs is None:
-            raise TransferError("NIXL register_memory failed (see NIXL log)")
-        return NativeRegistration(descs, addr, 0, {"agent": self._agent_name, "md": self._metadata()})
+            why = str(e)
+        if why:
+            what = f"NIXL register_memory({mem}, device {dev}) for {memory}: {why} (see NIXL's log)"
+            if mem == nixl_memory.DRAM:
+                raise TransferError(what)
+            # Device memory UCX cannot take (no CUDA transport, or a pointer it sees as host
+            # memory) is a kind we cannot register here, not a transient error.
+            self._unusable = f"NIXL backend unusable after a refused VRAM registration ({what})"
+            raise UnsupportedMemory(what + "; this backend now refuses peers: NIXL keeps an empty VRAM "
+                                    "section in its metadata that peers cannot load")
+        return NativeRegistration(descs, addr, 0, {"agent": self._agent_name, "md": self._metadata(),
+                                                   **nixl_memory.descriptor_fields(memory)})
 
     def _native_deregister(self, reg: NativeRegistration) -> None:
         try:
@@ -183,8 +206,8 @@ class NixlBackend(TransferBackend):
 
     def _native_post(self, peer: Peer, batch_id: int, writes: Sequence[PageWrite], imm: int) -> None:
         regs = self._regions
-        local = [(regs[w.src.id][0].addr + w.src_offset, w.length, 0) for w in writes]
-        remote = [(w.dst.descriptor.base + w.dst_offset, w.length, 0) for w in writes]
+        local, local_mem, remote, remote_mem = nixl_memory.transfer_lists(
+            writes, {w.src.id: regs[w.src.id][0].addr for w in writes})
         note = notif_text(imm, len(writes)).encode()
         agent = peer.native  # None once the peer is dropped
         if agent is None:
@@ -192,8 +215,8 @@ class NixlBackend(TransferBackend):
         # The poller only sees the handle once posted: checking an unposted handle is an error.
         with self._xlock:
             try:
-                handle = self._agent.initialize_xfer("WRITE", self._agent.get_xfer_descs(local, "DRAM"),
-                                                     self._agent.get_xfer_descs(remote, "DRAM"), agent, note)
+                handle = self._agent.initialize_xfer("WRITE", self._agent.get_xfer_descs(local, local_mem),
+                                                     self._agent.get_xfer_descs(remote, remote_mem), agent, note)
                 if handle is None:
                     raise TransferError("initialize_xfer returned no handle")
                 state = self._agent.transfer(handle)

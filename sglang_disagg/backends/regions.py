@@ -20,6 +20,37 @@ class PeerState(enum.Enum):
     CLOSED = "closed"    # closed by us
 
 
+class MemoryKind(enum.Enum):
+    HOST = "host"    # CPU memory (pageable or pinned)
+    CUDA = "cuda"    # CUDA device memory (cudaMalloc or cuMem), on device `Memory.device`
+
+
+@dataclass(frozen=True, slots=True)
+class Memory:
+    """Where a registered range lives. A backend that cannot register this kind raises
+    UnsupportedMemory at register() naming what it lacks, never registers it as host memory."""
+
+    kind: MemoryKind = MemoryKind.HOST
+    device: int = -1  # the CUDA ordinal for CUDA memory; -1 for host memory
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, MemoryKind):
+            raise ValueError(f"Memory.kind must be a MemoryKind, got {self.kind!r}")
+        if (self.kind is MemoryKind.CUDA) != (self.device >= 0):
+            raise ValueError(f"Memory: {self.kind.value} memory with device {self.device} "
+                             "(CUDA memory names its device ordinal >= 0, host memory -1)")
+
+    def __str__(self) -> str:
+        return "host memory" if self.kind is MemoryKind.HOST else f"cuda:{self.device} memory"
+
+
+HOST = Memory()
+
+
+def cuda(device: int) -> Memory:
+    return Memory(MemoryKind.CUDA, device)
+
+
 @dataclass(frozen=True, slots=True)
 class MemoryRegion:
     """A local registration. Offsets in writes are relative to `addr`."""
@@ -28,6 +59,7 @@ class MemoryRegion:
     addr: int
     length: int
     owner: str  # instance id of the backend that registered it
+    memory: Memory = HOST
 
 
 @dataclass(frozen=True, slots=True)

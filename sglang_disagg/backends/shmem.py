@@ -24,9 +24,9 @@ from typing import Any
 
 from .. import shm
 from .base import TransferBackend
-from .errors import BackendUnavailable, DescriptorError, TransferError
+from .errors import BackendUnavailable, DescriptorError, TransferError, UnsupportedMemory
 from .peers import Peer
-from .regions import MemoryRegion, NativeRegistration, PageWrite, RegionDescriptor, RemoteRegion
+from .regions import Memory, MemoryKind, MemoryRegion, NativeRegistration, PageWrite, RegionDescriptor, RemoteRegion
 
 
 def _boot_id() -> str:
@@ -75,7 +75,12 @@ class ShmemBackend(TransferBackend):
         # copies queued before this point (unmapping now would fault it).
         self._jobs.put(("unmap", gone))
 
-    def _native_register(self, addr: int, length: int) -> NativeRegistration:
+    def _native_register(self, addr: int, length: int, memory: Memory) -> NativeRegistration:
+        if memory.kind is not MemoryKind.HOST:
+            # memcpy through a mapping of a file: device memory has neither.
+            raise UnsupportedMemory(f"shmem: cannot register {memory}: this backend copies between host "
+                                    "mappings only; for CUDA memory on one host use the cudaipc backend, or nixl "
+                                    "(VRAM)")
         try:
             b = shm.locate(addr, length)
         except shm.SharedMemoryError as e:

@@ -8,10 +8,11 @@ import signal
 import sys
 import time
 
+from sglang_disagg.launch import dryrun, gpu
 from sglang_disagg.launch.client import chat
 from sglang_disagg.launch.config import LaunchConfig, Mode, Role
 from sglang_disagg.launch.deploy import load as load_deployment
-from sglang_disagg.launch.preflight import PreflightError, ephemeral_overlap
+from sglang_disagg.launch.preflight import PreflightError, check_cuda, ephemeral_overlap
 from sglang_disagg.launch.process import StartupError, log_tail
 from sglang_disagg.launch.stack import Stack
 from sglang_disagg.models import DEFAULT_MODEL, ModelError
@@ -25,6 +26,11 @@ Arguments not listed here are passed through to every SGLang server,
 e.g. --chunked-prefill-size 256. Built-in models (random weights, for plumbing,
 tests and benchmarks): tiny-llama (default), tiny-qwen3, tiny-qwen2, small-llama.
 
+GPUs (--device cuda): prefill on the first --prefill-tp GPUs, decode on the next --decode-tp,
+or sharing GPUs (each with --shared-gpu-fraction of their memory) when there are too few;
+--prefill-gpus/--decode-gpus choose them. --dry-run prints what would run, on any machine
+(--gpus N plans for a machine with N GPUs).
+
 A deployment file: --config FILE --node NAME starts one of its groups (flags override the
 file); "render k8s|slurm FILE" prints Kubernetes manifests or a Slurm batch script for it."""
 
@@ -36,7 +42,9 @@ FIELDS = {"role": "role", "model_path": "model", "port": "port", "host": "host",
           "page_size": "page_size", "prefill_url": "prefill_urls", "decode_url": "decode_urls",
           "prefill_messenger": "prefill_messengers", "log_dir": "log_dir", "startup_timeout": "startup_timeout_s",
           "transfer_timeout": "transfer_timeout_s", "drain_timeout": "drain_timeout_s", "pin_cores": "pin_cores", "stream": "stream", "decode_prefix_reuse": "reuse_prefix",
-          "secret_file": "secret_file"}
+          "secret_file": "secret_file", "attention_backend": "attention_backend",
+          "enable_deterministic_inference": "deterministic", "gpus": "gpus", "prefill_gpus": "prefill_gpus",
+          "decode_gpus": "decode_gpus", "shared_gpu_fraction": "shared_gpu_fraction"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -71,7 +79,26 @@ def _parser() -> argparse.ArgumentParser:
                     help="messenger: file holding the shared secret every prefill and decode server of the "
                          "deployment proves to its peers (default for --role all: a new one in the log dir; "
                          "or set SGLANG_DISAGG_SECRET)")
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    ap.add_argument("--attention-backend", default=None,
+                    help="default: torch_native on CPU; on CUDA fa3 with the messenger (its KV pool is HND: "
+                         "fa3, trtllm_mha, torch_native read it), SGLang's choice otherwise")
+    ap.add_argument("--enable-deterministic-inference", action="store_true",
+                    help="SGLang's batch-invariant kernels on every server (equivalence runs in bf16)")
+    ap.add_argument("--gpus", type=int, default=None,
+                    help="--device cuda: GPUs on this machine (default: those visible); with --dry-run, plan "
+                         "for a machine with this many")
+    ap.add_argument("--prefill-gpus", type=_gpu_ids, default=(), metavar="IDS",
+                    help="--device cuda: the prefill server's GPUs, one per TP rank, evenly spaced (e.g. 0,1); "
+                         "default: the first --prefill-tp")
+    ap.add_argument("--decode-gpus", type=_gpu_ids, default=(), metavar="IDS",
+                    help="--device cuda: the decode server's GPUs (default: the next --decode-tp, or the last "
+                         "ones, shared with prefill, when there are too few)")
+    ap.add_argument("--shared-gpu-fraction", type=float, default=gpu.DEFAULT_SHARE,
+                    help="--device cuda: share of a GPU's memory each server's weights and KV pool take when "
+                         "prefill and decode share that GPU")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="print each process's command line and the environment the launcher sets, start nothing")
     ap.add_argument("--pin-cores", action="store_true",
                     help="--role all on CPU: pin the prefill server (with the router) and the decode server "
                          "to their own half of the cores")
@@ -91,6 +118,13 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _gpu_ids(text: str) -> tuple[int, ...]:
+    try:
+        return gpu.parse_ids(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _fields(ns: dict) -> dict:
     out = {FIELDS[k]: (tuple(v) if isinstance(v, list) else v) for k, v in ns.items() if k in FIELDS}
     if ns.get("tp") is not None:
@@ -99,6 +133,13 @@ def _fields(ns: dict) -> dict:
 
 
 def parse(argv: list[str]) -> tuple[LaunchConfig, bool]:
+    """The launch configuration and whether --smoke was given."""
+    cfg, smoke, _ = parse_run(argv)
+    return cfg, smoke
+
+
+def parse_run(argv: list[str]) -> tuple[LaunchConfig, bool, bool]:
+    """parse(), and whether --dry-run was given."""
     ap = _parser()
     args, extra = ap.parse_known_args(argv)
     if args.config is None:
@@ -107,7 +148,7 @@ def parse(argv: list[str]) -> tuple[LaunchConfig, bool]:
         if args.role is None:
             ap.error("--role is required (or --config FILE --node NAME)")
         fields = _fields(vars(args))
-        return LaunchConfig(**fields, extra_args=tuple(extra)), args.smoke
+        return LaunchConfig(**fields, extra_args=tuple(extra)), args.smoke, args.dry_run
     if args.node is None:
         ap.error("--config needs --node NAME: the group (or 'router') this machine runs")
     # Only the flags actually given override the file: parse again with no defaults.
@@ -117,7 +158,7 @@ def parse(argv: list[str]) -> tuple[LaunchConfig, bool]:
     given, _ = quiet.parse_known_args(argv)
     base = load_deployment(args.config).launch_config(args.node)
     cfg = dataclasses.replace(base, **_fields(vars(given)), extra_args=base.extra_args + tuple(extra))
-    return cfg, args.smoke
+    return cfg, args.smoke, args.dry_run
 
 
 def say(msg: str) -> None:
@@ -184,11 +225,20 @@ def main(argv: list[str] | None = None) -> int:
 
         return render(argv[1:])
     try:
-        cfg, do_smoke = parse(argv)
+        cfg, do_smoke, dry_run = parse_run(argv)
+        if dry_run:
+            sys.stdout.write(dryrun.render(cfg))
+            return 0
+        if cfg.device == "cuda" and cfg.role is not Role.ROUTER:
+            # Before anything starts (or a model is generated): CUDA, its kernels, the GPU count.
+            cfg = dataclasses.replace(cfg, gpus=check_cuda(cfg))
         stack = Stack.for_config(cfg)
     except (ValueError, FileNotFoundError, ModelError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except PreflightError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         say(f"starting {cfg.role.value} with model {stack.model_path or '-'}, {cfg.describe_transfer()}; "

@@ -25,13 +25,19 @@ Why each CPU flag is there:
   (its prompt is being prefilled elsewhere) notices its client went away only when this
   wait times out (SGLang's default 4 s); then its pages on both servers are freed.
 - upstream prefill ``--disable-overlap-schedule``: the overlap path records a
-  CUDA event. Messenger servers disable it too: on CPU a forward runs
-  synchronously, so overlap would only delay a chunk's KV writes by one forward.
+  CUDA event. Messenger servers disable it too, on every device: on CPU a forward
+  runs synchronously, so overlap would only delay a chunk's KV writes by one
+  forward; on CUDA the messenger's hooks take a batch's KV as computed once its
+  forward call returned, which under the overlap scheduler it is not yet.
 - upstream decode ``--disaggregation-decode-retraction-backup cpu_tensor``: the
   default host backup pool calls cudaHostRegister.
 - messenger ``SGLANG_USE_HND_KVCACHE=1`` and ``--page-size 16``: the KV pool
   keeps heads before tokens inside a page, so a page's head-shard is one
   contiguous range and moves with one write.
+
+On CUDA none of the CPU settings apply; each server gets its GPUs (gpu.py), built-in
+models run bfloat16, messenger servers read their HND pool with fa3 and skip SGLang's
+warm-up (_messenger_server says why), CUDA graphs stay on.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from pathlib import Path
 from sglang_disagg.backends.auth import SECRET_FILE_ENV
 from sglang_disagg.env import CPU_SERVER_ENV
 from sglang_disagg.hooks import SUBPROCESS_START_ENV
+from sglang_disagg.launch import gpu
 from sglang_disagg.launch.config import LaunchConfig, Mode, Role
 from sglang_disagg.messenger.config import ENV as MESSENGER_ENV
 from sglang_disagg.messenger.config import MessengerConfig, MessengerRole
@@ -94,7 +101,8 @@ def _threads_env(cfg: LaunchConfig, role: Role, tp: int) -> dict[str, str]:
     return env
 
 
-def _server_base(cfg: LaunchConfig, model_path: str, builtin: bool, port: int, dist_port: int, tp: int) -> list[str]:
+def _server_base(cfg: LaunchConfig, model_path: str, builtin: bool, port: int, dist_port: int, tp: int,
+                 role: Role) -> list[str]:
     argv = [
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", model_path,
@@ -107,17 +115,43 @@ def _server_base(cfg: LaunchConfig, model_path: str, builtin: bool, port: int, d
     # /v1/models names it "tiny-llama" (or the directory's name), not the path it was loaded
     # from: the router (smg) routes OpenAI requests by that name, so clients must know it.
     argv += ["--served-model-name", cfg.served_model_name]
-    dtype = cfg.dtype or ("float32" if builtin else None)
+    dtype = cfg.dtype or (_builtin_dtype(cfg) if builtin else None)
     if dtype:
         argv += ["--dtype", dtype]
     if cfg.device == "cpu":
         argv += [
-            "--attention-backend", "torch_native",
+            "--attention-backend", cfg.attention_backend or "torch_native",
             "--max-total-tokens", str(cfg.max_total_tokens),
             "--skip-server-warmup",
             "--sleep-on-idle",
         ]
+    elif cfg.device == "cuda":
+        argv += _gpus(cfg, role).argv()
+        if cfg.cuda_attention_backend:
+            argv += ["--attention-backend", cfg.cuda_attention_backend]
+        # CUDA graphs stay on (SGLang's default): nothing here disables them.
+    elif cfg.attention_backend:
+        argv += ["--attention-backend", cfg.attention_backend]
+    if cfg.deterministic:
+        # Equivalence runs: in bf16 a whole-prompt prefill and a prefix-plus-one-token extend
+        # run different kernels and differ in the last bits; batch-invariant ops make them agree.
+        argv += ["--enable-deterministic-inference"]
     return argv
+
+
+def _builtin_dtype(cfg: LaunchConfig) -> str:
+    """Built-in models are stored in float32: served so on CPU (exact comparisons), in bfloat16
+    on CUDA, as the real models they stand for run and as fa3 requires. Named, not "auto":
+    SGLang's auto turns a float32 checkpoint into float16."""
+    return "bfloat16" if cfg.device == "cuda" else "float32"
+
+
+def _gpus(cfg: LaunchConfig, role: Role) -> gpu.ServerGpus:
+    plan = cfg.gpu_plan()
+    placed = plan.decode if role is Role.DECODE else plan.prefill
+    if placed is None:
+        raise ValueError(f"no GPUs planned for the {role.value} server")
+    return placed
 
 
 def _env(cfg: LaunchConfig, role: Role, tp: int, extra: dict[str, str] | None = None) -> tuple[tuple[str, str], ...]:
@@ -152,6 +186,18 @@ def messenger_config(cfg: LaunchConfig, role: Role, log_dir: Path | None = None)
 
 def _messenger_server(cfg: LaunchConfig, role: Role, argv: list[str], tp: int, log_dir: Path | None) -> tuple:
     argv += ["--disable-overlap-schedule", "--page-size", str(cfg.kv_page_size)]
+    if cfg.device != "cpu":  # on CPU _server_base skips it for every server
+        # SGLang's warm-up posts a plain /generate and kills its server unless it gets 200.
+        # Prefill: the messenger answers plain requests 503 (only decoders' orders are
+        # served). Skipped rather than served: recognising "the warm-up" would open a way
+        # past that refusal for any client, and a warm-up that bypasses the messenger proves
+        # nothing about it. Decode: its warm-up would become an order to a prefill server
+        # that may not be up yet (--role decode; or still loading in --role all), and a
+        # timeout kills the decoder. The launcher's own checks stand in for both: a decoder
+        # is ready once it linked to a prefill server (Stack._wait_links), and --role all
+        # is up once a real request went router -> decoder -> prefill (Stack._wait_routable),
+        # which also warms both servers' kernels.
+        argv += ["--skip-server-warmup"]
     if role is Role.DECODE:
         # A request's last prompt token runs as a one-token extend: mixed with the running
         # decode batch it costs no forward of its own, so decoding never pauses for it.
@@ -185,14 +231,14 @@ def _server_spec(cfg: LaunchConfig, role: Role, model_path: str, builtin: bool,
                  log_dir: Path | None = None) -> ProcessSpec:
     ports = cfg.ports
     if role is Role.COLOCATED:
-        argv = _server_base(cfg, model_path, builtin, ports.front, ports.colocated_dist, cfg.prefill_tp)
+        argv = _server_base(cfg, model_path, builtin, ports.front, ports.colocated_dist, cfg.prefill_tp, role)
         if cfg.page_size is not None:
             argv += ["--page-size", str(cfg.page_size)]
         return ProcessSpec("colocated", tuple(argv + list(cfg.extra_args)), _env(cfg, role, cfg.prefill_tp),
                            ports.front)
     if role is Role.PREFILL:
         tp, port = cfg.prefill_tp, ports.prefill
-        argv = _server_base(cfg, model_path, builtin, port, ports.prefill_dist, tp)
+        argv = _server_base(cfg, model_path, builtin, port, ports.prefill_dist, tp, role)
         if cfg.mode is Mode.MESSENGER:
             argv, env = _messenger_server(cfg, role, argv, tp, log_dir)
         else:
@@ -206,7 +252,7 @@ def _server_spec(cfg: LaunchConfig, role: Role, model_path: str, builtin: bool,
         return ProcessSpec("prefill", tuple(argv + list(cfg.extra_args)), env, port, _pinned(cfg, role))
     if role is Role.DECODE:
         tp, port = cfg.decode_tp, ports.decode
-        argv = _server_base(cfg, model_path, builtin, port, ports.decode_dist, tp)
+        argv = _server_base(cfg, model_path, builtin, port, ports.decode_dist, tp, role)
         if cfg.mode is Mode.MESSENGER:
             argv, env = _messenger_server(cfg, role, argv, tp, log_dir)
         else:

@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass, field
 from enum import Enum
 
+from sglang_disagg.launch import gpu
+
 
 class Role(str, Enum):
     PREFILL = "prefill"
@@ -131,6 +133,13 @@ class LaunchConfig:
     stream: bool = True  # messenger: write each layer's pages as the prefill forward passes it
     reuse_prefix: bool = True  # messenger: decoders send only what their radix cache lacks
     secret_file: str | None = None  # messenger: the deployment's shared secret (None: --role all makes one)
+    attention_backend: str | None = None  # None: torch_native on CPU, fa3 on CUDA with the messenger, else SGLang's
+    deterministic: bool = False  # --enable-deterministic-inference on every server (equivalence runs)
+    # --device cuda (gpu.py): the GPUs of this machine (None: detected), each server's, the share of a shared one
+    gpus: int | None = None
+    prefill_gpus: tuple[int, ...] = ()
+    decode_gpus: tuple[int, ...] = ()
+    shared_gpu_fraction: float = gpu.DEFAULT_SHARE
     env: tuple[tuple[str, str], ...] = field(default=())
 
     def __post_init__(self) -> None:
@@ -149,6 +158,42 @@ class LaunchConfig:
             self._check_upstream()
         else:
             self._check_messenger()
+        self._check_gpus()
+
+    def _check_gpus(self) -> None:
+        if self.device != "cuda":
+            given = [f for f, v in (("--gpus", self.gpus), ("--prefill-gpus", self.prefill_gpus),
+                                    ("--decode-gpus", self.decode_gpus)) if v]
+            if given:
+                raise ValueError(f"{', '.join(given)}: GPU placement applies to --device cuda, not {self.device}")
+            return
+        if self.gpus is not None:
+            if self.gpus < 1:
+                raise ValueError(f"--gpus must be >= 1, got {self.gpus}")
+            self.gpu_plan()  # the placement's own checks, now rather than at start
+        if self.mode is Mode.MESSENGER and self.role is not Role.COLOCATED:
+            problem = gpu.attention_problem(gpu.attention_backends(self.attention_backend, self.extra_args),
+                                            self.deterministic, self.dtype)
+            if problem:
+                raise ValueError(problem)
+
+    def gpu_plan(self) -> gpu.GpuPlan:
+        """Which GPUs this machine's servers run on (--device cuda, with the GPU count known)."""
+        if self.gpus is None:
+            raise ValueError("the number of GPUs is not known: pass --gpus N")
+        tps = {Role.ALL: (self.prefill_tp, self.decode_tp), Role.PREFILL: (self.prefill_tp, None),
+               Role.DECODE: (None, self.decode_tp), Role.COLOCATED: (self.prefill_tp, None),
+               Role.ROUTER: (None, None)}[self.role]
+        return gpu.plan(self.gpus, *tps, prefill_gpus=self.prefill_gpus, decode_gpus=self.decode_gpus,
+                        share=self.shared_gpu_fraction)
+
+    @property
+    def cuda_attention_backend(self) -> str | None:
+        """What --attention-backend the servers get on CUDA: the messenger's KV pool is HND,
+        which fa3 reads; without the messenger SGLang chooses."""
+        if self.attention_backend or self.mode is not Mode.MESSENGER or self.role is Role.COLOCATED:
+            return self.attention_backend
+        return gpu.DEFAULT_CUDA_BACKEND
 
     def _check_upstream(self) -> None:
         values = [b.value for b in UpstreamBackend]

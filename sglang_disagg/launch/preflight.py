@@ -85,3 +85,59 @@ def check_patches_applied() -> Path:
             "or `python -m sglang_disagg.patches apply` from the repository"
         )
     return pkg
+
+
+CUDA_SETUP = "set up the CUDA environment with `make setup DEVICE=cuda` (requirements/cuda.lock)"
+
+
+def cuda_problems(torch_version: str | None, torch_cuda: str | None, cuda_available: bool,
+                  missing_packages: tuple[str, ...]) -> list[str]:
+    """What keeps SGLang from running on CUDA here, from what was probed (pure)."""
+    problems = []
+    if torch_version is None:
+        problems.append("torch is not installed")
+    elif torch_cuda is None:
+        problems.append(f"torch {torch_version} is a CPU-only build (torch.version.cuda is None)")
+    elif not cuda_available:
+        problems.append(f"no CUDA device is usable (torch {torch_version}: torch.cuda.is_available() is False: "
+                        "no NVIDIA driver, no GPU, or CUDA_VISIBLE_DEVICES hides them)")
+    for name in missing_packages:
+        why = {"sgl_kernel": "SGLang's CUDA kernels, imported by every CUDA server",
+               "flashinfer": "the trtllm_mha attention backend's kernels"}.get(name, "needed on CUDA")
+        problems.append(f"the {name} package is not installed ({why})")
+    return problems
+
+
+def check_cuda(cfg: LaunchConfig) -> int:
+    """--device cuda: refuse now, naming what is missing, when this environment cannot run
+    SGLang on CUDA; else the number of GPUs the servers may use (--gpus, checked against
+    what is visible, or all of them)."""
+    import importlib.util
+
+    packages = ["sgl_kernel"] + (["flashinfer"] if cfg.cuda_attention_backend == "trtllm_mha" else [])
+    missing = tuple(p for p in packages if importlib.util.find_spec(p) is None)
+    version = cuda = None
+    available, count = False, 0
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        version, cuda = torch.__version__, torch.version.cuda
+        available = cuda is not None and torch.cuda.is_available()
+        count = torch.cuda.device_count() if available else 0
+    problems = cuda_problems(version, cuda, available, missing)
+    if problems:
+        raise PreflightError(f"--device cuda cannot run here: {'; '.join(problems)}; {CUDA_SETUP}")
+    if cfg.gpus is not None and cfg.gpus > count:
+        raise PreflightError(f"--gpus {cfg.gpus}: only {count} GPU(s) are visible here")
+    return cfg.gpus or count
+
+
+def visible_gpus() -> int:
+    """How many CUDA GPUs this process sees (0 without torch, a CUDA build or a driver)."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.version.cuda is not None else 0

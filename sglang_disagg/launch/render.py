@@ -40,7 +40,8 @@ def launcher_argv(cfg: LaunchConfig) -> list[str]:
                         ("--decode-tp", "decode_tp"), ("--dtype", "dtype"), ("--max-total-tokens", "max_total_tokens"),
                         ("--page-size", "page_size"), ("--transfer-timeout", "transfer_timeout_s"),
                         ("--startup-timeout", "startup_timeout_s"), ("--drain-timeout", "drain_timeout_s"),
-                        ("--secret-file", "secret_file")):
+                        ("--secret-file", "secret_file"), ("--attention-backend", "attention_backend"),
+                        ("--gpus", "gpus"), ("--shared-gpu-fraction", "shared_gpu_fraction")):
         value = getattr(cfg, field)
         if value != defaults[field]:
             argv += [flag, str(getattr(value, "value", value))]
@@ -48,6 +49,11 @@ def launcher_argv(cfg: LaunchConfig) -> list[str]:
                         ("--prefill-messenger", "prefill_messengers")):
         for v in getattr(cfg, field):
             argv += [flag, v]
+    for flag, field in (("--prefill-gpus", "prefill_gpus"), ("--decode-gpus", "decode_gpus")):
+        if getattr(cfg, field):
+            argv += [flag, ",".join(map(str, getattr(cfg, field)))]
+    if cfg.deterministic:
+        argv.append("--enable-deterministic-inference")
     if not cfg.stream:
         argv.append("--no-stream")
     if not cfg.reuse_prefix:

@@ -11,6 +11,7 @@ log tail; ``stop()`` (or leaving the ``with`` block) tears everything down.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -21,7 +22,7 @@ from pathlib import Path
 from sglang_disagg.launch.client import RequestError, generate_ids, post_json
 from sglang_disagg.launch.commands import launcher_registered_workers, router_spec, server_spec
 from sglang_disagg.launch.config import LaunchConfig, Mode, Role
-from sglang_disagg.launch.preflight import check_patches_applied, check_ports_free
+from sglang_disagg.launch.preflight import check_cuda, check_patches_applied, check_ports_free
 from sglang_disagg.messenger.links import REFUSED_MARK
 from sglang_disagg.launch.ports import listening
 from sglang_disagg.launch.secret import with_secret
@@ -47,6 +48,8 @@ class Stack:
 
     @classmethod
     def for_config(cls, cfg: LaunchConfig) -> Stack:
+        if cfg.device == "cuda" and cfg.role is not Role.ROUTER and cfg.gpus is None:
+            cfg = dataclasses.replace(cfg, gpus=check_cuda(cfg))  # refuses now if CUDA cannot run here
         log_dir = Path(cfg.log_dir) if cfg.log_dir else Path(tempfile.mkdtemp(prefix=f"sglang-disagg-{cfg.role.value}-"))
         log_dir.mkdir(parents=True, exist_ok=True)
         cfg = with_secret(cfg, log_dir)
@@ -79,11 +82,17 @@ class Stack:
         deadline = t0 + self.cfg.startup_timeout_s
         try:
             late = launcher_registered_workers(self.cfg)
+            # Servers sharing a GPU start one after the other: each sizes its KV pool from the
+            # memory free when it starts (gpu.py), so the second must see the first's pool.
+            one_by_one = self.cfg.device == "cuda" and len(self.servers) > 1 and bool(self.cfg.gpu_plan().shared)
             for p in self.servers:
                 p.start()
+                if one_by_one:
+                    self._wait([p], deadline, progress)
             if self.router and late:
                 self.router.start()  # its start-up overlaps the servers'; they are added below
-            self._wait(self.servers, deadline, progress)
+            if not one_by_one:
+                self._wait(self.servers, deadline, progress)
             if self.cfg.role is Role.DECODE and self.cfg.mode is Mode.MESSENGER:
                 self._wait_links(self.servers[0], min(deadline, time.monotonic() + LINK_WAIT_S), progress)
             if self.router:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..backends import MemoryRegion, RemoteRegion
+from ..backends.regions import HOST, Memory, cuda
 from .planner import Kind, KVGeometry, Layout, WriteGroup
 from .wire import KVSpec
 
@@ -26,6 +27,16 @@ class LayoutError(RuntimeError):
 
 def region_index(layer: int, kind: Kind) -> int:
     return layer * 2 + int(kind)
+
+
+def memory_of(tensor: Any) -> Memory:
+    """The backend memory kind of a torch tensor's storage: cuda:N -> cuda(N), cpu -> host (else LayoutError)."""
+    kind = tensor.device.type
+    if kind == "cuda":
+        return cuda(tensor.get_device())
+    if kind != "cpu":
+        raise LayoutError(f"the messenger registers host or CUDA KV pools, not {kind} memory")
+    return HOST
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +75,7 @@ class KVPoolView:
     def register(self, backend: TransferBackend) -> tuple[list[MemoryRegion], list[str]]:
         regions, descriptors = [], []
         for t in self.tensors:
-            region, desc = backend.register(t.data_ptr(), t.numel() * t.element_size())
+            region, desc = backend.register(t.data_ptr(), t.numel() * t.element_size(), memory_of(t))
             regions.append(region)
             descriptors.append(desc.decode())
         return regions, descriptors

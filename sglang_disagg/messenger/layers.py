@@ -9,18 +9,19 @@ that layer's K and V are in this rank's pool (attention writes them first). With
 counter is the leader's: o_proj's partial sums are reduced later in the layer, so other
 ranks' layer L is known written only once the leader passed layer L + 1 (stream.py).
 
-The increment is a tensor operation (``add_``), which CUDA graph capture records; on GPU the
-counter would live in host-mapped memory that a poller reads. On CPU the hook also wakes
-the waiting streamer thread, which is a Python call and not graph-safe: CPU has no graphs.
+The increment is device work issued by the hook (devices/: on CUDA a kernel writing a word
+of device-mapped pinned host memory, on CPU a CPU op writing a tensor), and the hooks are
+put on the model when it is loaded, before CUDA graph capture (hooks.model_loaded), so
+capture records the increment and every replay runs it in stream order after the layer.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from ..devices.base import STRIDE, LayerWord
 
 PROJECTIONS = ("o_proj", "out_proj")
 
@@ -56,37 +57,32 @@ def attention_projections(model: torch.nn.Module, attention_type: type | None = 
 
 
 class LayerCounter:
-    """`value` counts o_proj completions since the counter was made; the waiter blocks
-    until it passes a target, without spinning."""
+    """Hooks on every attention layer's output projection that bump a device-written word
+    (devices/base.py: the contract), registered before any CUDA graph is captured so that
+    capture records the bump and every replay runs it after that layer's kernels. The
+    streamer waits on the word itself; nothing here counts in Python at hook time."""
 
-    def __init__(self, model: torch.nn.Module, attention_type: type | None = None,
-                 on_layer: Callable[[], None] | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, word: LayerWord, attention_type: type | None = None) -> None:
         self.layers = attention_projections(model, attention_type)
-        self.tensor = torch.zeros(1, dtype=torch.int64)
-        self._cv = threading.Condition()
-        self._count = 0  # mirror of the tensor the CPU waiter can read without a device sync
-        self._on_layer = on_layer
+        self.word = word
+        self._base = 0
         self._handles = [proj.register_forward_hook(self._hook) for _, proj in self.layers]
 
     def _hook(self, module: Any, args: Any, output: Any) -> None:
-        self.tensor.add_(1)
-        with self._cv:
-            self._count += 1
-            self._cv.notify_all()
-        if self._on_layer is not None:
-            self._on_layer()
+        self.word.bump()  # device work only: Python effects here would not replay under a graph
 
-    @property
-    def value(self) -> int:
-        return self._count
+    def arm(self) -> int:
+        """Before an announced forward (scheduler thread, in stream order before it): the
+        base its layers count up from; layer L is done once the word reaches base + L + 1."""
+        self._base += STRIDE
+        self.word.arm(self._base)
+        return self._base
 
     def wait_past(self, target: int, timeout_s: float) -> bool:
-        """Block until the counter is >= target; False on timeout."""
-        with self._cv:
-            return self._cv.wait_for(lambda: self._count >= target, timeout_s)
+        """Block until the word is >= target; False on timeout."""
+        return self.word.wait_at_least(target, timeout_s)
 
     def close(self) -> None:
         for h in self._handles:
             h.remove()
-        with self._cv:
-            self._cv.notify_all()
+        self.word.close()

@@ -15,7 +15,8 @@ from typing import Any
 
 from ..backends import BackendConfig, DeadlineExceeded, auth, create_backend
 from ..backends.base import TransferBackend
-from .. import cumem, shm
+from ..backends.regions import HOST, cuda
+from .. import cumem, handover, shm
 from . import compat, wire
 from .config import MessengerConfig, MessengerRole
 from .kvpool import KVPoolView
@@ -44,8 +45,24 @@ class Node:
         pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
         self.view = KVPoolView.from_pool(pool, scheduler.model_config.get_total_num_kv_heads())
         self.page_size = self.view.geometry.page_size
-        # Where this rank's buffers live, for the leader to map (its own need no mapping).
-        backings = self.ranks.gather(None if self.ranks.is_leader else [_backing(t) for t in self.view.tensors])
+        # Where this rank's buffers live, for the leader to map (its own need no mapping). On
+        # GPU the leader gathers the address of its inbox instead, where the ranks then send
+        # their cuMem allocations' descriptors (handover.py: SCM_RIGHTS, no ptrace rights).
+        on_gpu = bool(self.view.tensors) and self.view.tensors[0].is_cuda
+        inbox = handover.Inbox() if on_gpu and self.ranks.is_leader and self.ranks.size > 1 else None
+        if self.ranks.is_leader:
+            mine = inbox.address if inbox is not None else None
+        else:
+            mine = [_backing(t) for t in self.view.tensors]
+        backings = self.ranks.gather(mine)
+        fds: dict[int, dict[int, int]] = {}
+        if on_gpu and not self.ranks.is_leader:
+            handover.give(backings[0], self.ranks.rank, mine)
+        if inbox is not None:
+            try:
+                fds = inbox.collect({r: backings[r] for r in range(1, self.ranks.size)})
+            finally:
+                inbox.close()
         self.backend: TransferBackend | None = None
         self.regions: dict[int, list[Any]] = {}  # rank -> its (layer, kind) regions, leader only
         self._mappings: list[shm.Mapping | cumem.Imported] = []
@@ -59,7 +76,7 @@ class Node:
                 if rank == 0:
                     regions, descriptors = self.view.register(self.backend)
                 else:
-                    regions, descriptors = self._register_peer_rank(backings[rank])
+                    regions, descriptors = self._register_peer_rank(backings[rank], fds.get(rank, {}))
                 self.regions[rank] = regions
                 endpoints.append(wire.RankEndpoint(rank, self.backend.address, self.backend.instance,
                                                    tuple(descriptors)))
@@ -82,20 +99,31 @@ class Node:
                         cfg.role.value, self.backend.name, self.backend.provider or "-", self.backend.address,
                         self.ranks.size, len(self.regions[0]), self.view.geometry.layout.value, self.page_size)
 
-    def _register_peer_rank(self, backings: list[tuple]) -> tuple[list[Any], list[str]]:
+    def _register_peer_rank(self, backings: list[Any], fds: dict[int, int]) -> tuple[list[Any], list[str]]:
+        """Map one rank's buffers here and register them. GPU: each cuMem allocation is
+        imported once (`fds`: key -> its descriptor, owned from here on) and its tensors
+        (K and V halves of one allocation) are registered at their offsets in it."""
         regions, descriptors = [], []
-        for backing in backings:
-            if isinstance(backing, cumem.Export):  # GPU: the rank's cuMem allocation
-                m = cumem.Imported(backing)
-                addr, length = m.ptr, backing.size
-            else:
-                *where, length = backing
-                m = shm.Mapping(shm.Backing(*where), length)
-                addr = m.addr
-            self._mappings.append(m)
-            region, desc = self.backend.register(addr, length)
-            regions.append(region)
-            descriptors.append(desc.decode())
+        imported: dict[int, cumem.Imported] = {}
+        try:
+            for backing in backings:
+                if isinstance(backing, cumem.Export):  # GPU: the rank's cuMem allocation
+                    m = imported.get(backing.key)
+                    if m is None:
+                        m = imported[backing.key] = cumem.Imported(backing, fds.pop(backing.key))
+                        self._mappings.append(m)
+                    addr, length, memory = m.base + backing.offset, backing.length, cuda(backing.device)
+                else:
+                    *where, length = backing
+                    m = shm.Mapping(shm.Backing(*where), length)
+                    self._mappings.append(m)
+                    addr, memory = m.addr, HOST
+                region, desc = self.backend.register(addr, length, memory)
+                regions.append(region)
+                descriptors.append(desc.decode())
+        finally:
+            for f in fds.values():  # descriptors of allocations no buffer named
+                os.close(f)
         return regions, descriptors
 
     def start_reader(self, handle: Callable[[Any, wire.Message], None]) -> None:

@@ -35,20 +35,21 @@ import time
 from array import array
 from typing import Any
 
+from .. import hooks
 from ..backends import PeerState, TransferError
+from ..devices import for_device
 from . import wire
 from .config import MessengerConfig
 from .inputs import CancelTicket, DecoderJoined, MessengerInput, OrderTicket
 from .intake import Intake
 from .faults import ENV as FAULT_ENV
 from .kvpool import post
-from .layers import LayerCounter
 from .node import Node
 from .metrics import Cause, scheduler_state
 from .orders import DecoderLink, Record
 from .planner import ShardPlan, WriteGroup, pages_for
 from .requests import ORDER_ATTR, abort_matches, fail_request, release
-from .stream import Chunk, Streamer, Ticket
+from .stream import LAYER_TIMEOUT_S, Chunk, Streamer, Ticket
 
 logger = logging.getLogger("sglang_disagg.messenger")
 TRACE = os.environ.get("SGLANG_DISAGG_TRACE") == "1"  # one timing line per order, for profiling
@@ -72,8 +73,13 @@ class PrefillMessenger:
         # Test-only: every write into a decoder fails at posting, as when a decoder's region
         # descriptor names memory this server cannot map (issue 19).
         self._fail_writes = os.environ.get(FAULT_ENV) == "fail_writes"
+        runner = scheduler.tp_worker.model_runner
+        self.fence = for_device(hooks.device_name(runner)).fence()  # the forward's end, in stream order
         if cfg.stream and self.ranks.is_leader:
-            counter = LayerCounter(scheduler.tp_worker.model_runner.model)
+            counter = hooks.layer_counter()
+            if counter is None:
+                raise RuntimeError("messenger: streaming is on but the model has no layer counter: "
+                                   "sglang_disagg.hooks.model_loaded did not run (SGLang patch missing?)")
             early = os.environ.get(FAULT_ENV) == "early_writes"  # negative control: write before the KV exists
             self.streamer = Streamer(counter, self.node.view.geometry.num_layers, self._post, early=early,
                                      settle=self._settle)
@@ -193,20 +199,27 @@ class PrefillMessenger:
         self._ticket = self.streamer.submit(chunks) if chunks else None
 
     def after_forward(self, batch: Any) -> None:
-        now = time.monotonic()
+        """The forward was issued (on CUDA it may still run): what is posted now waits for
+        the fence recorded here, i.e. for the forward's end on the device."""
+        self.fence.record()
         if self.streamer is None:
-            for req in batch.reqs:
-                chunk = self._chunk(req, by_layer=False)
-                if chunk is not None:
-                    chunk.rec.times["forward_end"] = now
+            chunks = [c for req in batch.reqs if (c := self._chunk(req, by_layer=False)) is not None]
+            done = self.fence.wait(LAYER_TIMEOUT_S) if chunks else True
+            now = time.monotonic()
+            for chunk in chunks:
+                chunk.rec.times["forward_end"] = now
+                if not done:
+                    chunk.rec.failed = chunk.rec.failed or "the forward did not finish on the device"
+                else:
                     self._post(chunk, chunk.ready)
             return
         ticket, self._ticket = self._ticket, None
         if ticket is not None:
+            ok = self.streamer.wait(ticket) and self.fence.wait(LAYER_TIMEOUT_S)
+            now = time.monotonic()
             for c in ticket.chunks:
                 c.rec.times["forward_end"] = now
-            if not self.streamer.wait(ticket):
-                for c in ticket.chunks:
+                if not ok:
                     c.rec.failed = c.rec.failed or "the layer streamer did not finish this forward"
             for c in ticket.chunks:  # other ranks' last layer: reduced by the forward's end
                 if c.tail and not c.rec.failed:

@@ -5,7 +5,9 @@ forward computes - per chunk the write groups of every layer, and the groups of 
 that already exist (a cached prefix) - and after it ``wait()`` returns once every layer
 was posted. Worker side (this thread): for layer L it blocks until the layer counter
 (layers.py) has passed L since the submit, then posts layer L's groups; it never spins.
-Completion is unchanged: the decoder counts the same writes by immediate.
+Completion is unchanged: the decoder counts the same writes by immediate. The counter is
+a word the device writes (layers.py, devices/): on CUDA the forward is still running on the
+GPU when submit() returns, and the streamer follows the word, not the Python enqueue.
 
 Without a counter (``stream=False``) the same chunks are posted whole after the forward.
 
@@ -75,7 +77,7 @@ class Streamer:
         self._thread.start()
 
     def submit(self, chunks: list[Chunk]) -> Ticket:
-        ticket = Ticket(chunks, self.counter.value)
+        ticket = Ticket(chunks, self.counter.arm())
         self._queue.put(ticket)
         if self.early:  # the negative control: everything written before the forward starts
             self.wait(ticket)

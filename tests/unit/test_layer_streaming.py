@@ -1,5 +1,8 @@
-"""The layer counter (a hook after each attention layer's output projection) and the
-streamer that posts each layer's writes once the forward has passed that layer."""
+"""The layer counter (a hook after each attention layer's output projection that issues
+device work bumping a word) and the streamer that posts each layer's writes once the word
+says the forward has passed that layer. The CPU twin is the counter of CPU servers; an
+emulated asynchronous device (tests/unit/emu_device.py) shows that the streamer follows
+what the device did, not what Python enqueued."""
 
 from __future__ import annotations
 
@@ -9,6 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from sglang_disagg.devices.base import STRIDE
+from sglang_disagg.devices.cpu import CpuWord
 from sglang_disagg.messenger.layers import LayerCounter, LayerHookError, attention_projections
 from sglang_disagg.messenger.stream import Chunk, Streamer
 
@@ -46,17 +51,28 @@ class Model(torch.nn.Module):
         return x
 
 
-def test_counter_advances_once_per_attention_layer():
+def test_counter_advances_once_per_attention_layer_in_the_word_the_op_writes():
     model = Model([Block(i) for i in range(3)] + [Block(3, "out_proj")])
-    counter = LayerCounter(model, FakeAttention)
+    counter = LayerCounter(model, CpuWord(), FakeAttention)
     assert [layer for layer, _ in counter.layers] == [0, 1, 2, 3]
+    model(torch.zeros(1, 4))  # an unannounced forward (a warm-up): counts, below any base
+    base = counter.arm()
+    assert base == STRIDE and counter.word.read() == base
     model(torch.zeros(1, 4))
-    model(torch.zeros(1, 4))
-    assert counter.value == 8 and int(counter.tensor.item()) == 8  # the tensor op and its mirror
-    assert counter.wait_past(8, 0.01) and not counter.wait_past(9, 0.01)
+    assert counter.word.read() == base + 4 and int(counter.word.tensor.item()) == base + 4
+    assert counter.wait_past(base + 4, 0.01) and not counter.wait_past(base + 5, 0.01)
+    assert counter.arm() == 2 * STRIDE and counter.word.read() == 2 * STRIDE  # a new forward's base
     counter.close()
     model(torch.zeros(1, 4))
-    assert counter.value == 8  # hooks removed
+    assert counter.word.read() == 2 * STRIDE  # hooks removed
+
+
+def test_the_cpu_waiter_blocks_instead_of_spinning():
+    word = CpuWord()
+    t0, c0 = time.monotonic(), time.thread_time()
+    assert not word.wait_at_least(1, 0.3)
+    assert time.monotonic() - t0 >= 0.3
+    assert time.thread_time() - c0 < 0.05, "the waiter burned CPU while it waited"
 
 
 def test_a_model_whose_projection_cannot_be_found_is_refused():
@@ -68,12 +84,12 @@ def test_a_model_whose_projection_cannot_be_found_is_refused():
 
 def _streamer(delay_s: float, early: bool = False):
     model = Model([Block(i, delay_s=delay_s) for i in range(4)])
-    counter = LayerCounter(model, FakeAttention)
-    posted: list[tuple[int, int, float]] = []  # (layer, counter value when posted, time)
+    counter = LayerCounter(model, CpuWord(), FakeAttention)
+    posted: list[tuple[int, int, float]] = []  # (layer, word when posted, time)
 
     def post(chunk, groups):
         for g in groups:
-            posted.append((g.layer, counter.value, time.monotonic()))
+            posted.append((g.layer, counter.word.read(), time.monotonic()))
 
     return model, counter, Streamer(counter, 4, post, early=early), posted
 
@@ -87,7 +103,7 @@ def _chunk(layers: int = 4) -> Chunk:
 def test_each_layer_is_posted_once_the_forward_passed_it_and_before_the_forward_ends():
     model, counter, streamer, posted = _streamer(delay_s=0.05)
     try:
-        model(torch.zeros(1, 4))  # an earlier forward: the ticket's base is taken at submit
+        model(torch.zeros(1, 4))  # an earlier forward: the ticket's base is armed at submit
         ticket = streamer.submit([_chunk()])
         t0 = time.monotonic()
         model(torch.zeros(1, 4))
@@ -98,7 +114,7 @@ def test_each_layer_is_posted_once_the_forward_passed_it_and_before_the_forward_
     layers = [p for p in posted if p[0] >= 0]
     assert [p[0] for p in posted] == [-1, 0, 1, 2, 3]  # the cached prefix first, then layer by layer
     for layer, seen, _ in layers:
-        assert seen >= 4 + layer + 1, f"layer {layer} posted before the forward passed it"
+        assert seen >= STRIDE + layer + 1, f"layer {layer} posted before the forward passed it"
     assert layers[0][2] < forward_end - 0.1, "layer 0 was not posted while the forward still ran"
     assert layers[0][2] > t0
 
@@ -108,7 +124,7 @@ def test_early_posting_is_what_the_negative_control_does():
     try:
         ticket = streamer.submit([_chunk()])
         assert streamer.wait(ticket, 5.0)  # everything posted before any layer ran
-        assert all(seen == 0 for _, seen, _ in posted)
+        assert all(seen == STRIDE for _, seen, _ in posted)  # armed, no layer done
         model(torch.zeros(1, 4))
     finally:
         streamer.close()

@@ -5,82 +5,55 @@ The provider comes from BackendConfig.provider: "shm" and "tcp" (tcp;ofi_rxm) he
 modes are handled in the shim: FI_MR_VIRT_ADDR (descriptor base = virtual address, else
 offsets), FI_MR_PROV_KEY (provider-chosen keys travel in the descriptor), FI_MR_LOCAL
 (local descriptors passed on every write), FI_MR_ENDPOINT, FI_RX_CQ_DATA (posted receives).
+
+Memory kinds: host memory registers with fi_mr_regattr(FI_HMEM_SYSTEM); CUDA memory with
+FI_HMEM_CUDA and its device, on an endpoint opened with FI_HMEM (+FI_MR_HMEM). A provider
+"offers" CUDA when such a registration succeeds, not when fi_info lists FI_HMEM (Debian's
+1.17 lists it for shm without CUDA support); otherwise register() raises UnsupportedMemory
+naming the provider and libfabric's error, i.e. the messenger refuses at start-up. Host-only
+endpoints keep FI_HMEM off (shm answers it with other attributes: no inject); the first CUDA
+registration, before any other region or peer, reopens with it (options hmem=True: from the start).
+
+Stuck endpoints: a thread that never comes back out of the provider (libfabric shm spins forever
+on a spinlock in shared memory whose holder died) would hold the endpoint for good. No shim call
+but the poller's waits for it longer than SHIM_STUCK_MS: then EndpointStuck, and the backend is
+poisoned and replaces the endpoint, as for a head-of-line-blocked one; an endpoint that cannot be
+closed is abandoned (leaked, logged). On shm the shim also watches the locks themselves
+(shmlocks.py; options shm_lock_guard=False turns that off) and each peer's process.
 """
 
 from __future__ import annotations
 
 import base64
-import glob
+import contextlib
+import errno
 import logging
-import os
 import threading
 import weakref
 from collections.abc import Sequence
 from typing import Any
 
 from ..base import TransferBackend
-from ..errors import BackendUnavailable, DescriptorError, PeerLostError, TransferError
+from ..errors import BackendUnavailable, DescriptorError, PeerLostError, TransferError, UnsupportedMemory
 from ..peers import Peer
-from ..regions import MemoryRegion, NativeRegistration, PageWrite, PeerState, RemoteRegion
+from ..regions import Memory, MemoryKind, MemoryRegion, NativeRegistration, PageWrite, PeerState, RemoteRegion
+from . import shmlocks
+from .healing import Healing
+from .native import ESTUCK, EndpointStuck, address_of, endpoint_info, ffi, lib, register_on, stuck_text
+from .native import Errbuf as _Errbuf
+from .native import check as _check
+from .native import need_shim as _need_shim
+from .native import sweep_dead_namesakes as _sweep_dead_namesakes
 
 PROVIDERS = {"shm": "shm", "tcp": "tcp;ofi_rxm", "net": "net", "efa": "efa", "verbs": "verbs;ofi_rxm",
              "sockets": "sockets"}
 _EVENTS = 256
 _POLL_US = 2000
-_EV_BATCH, _EV_IMM, _EV_ASYNC, _EV_TAG_FAILED = 1, 2, 3, 4
+_EV_BATCH, _EV_IMM, _EV_ASYNC, _EV_TAG_FAILED, _EV_STUCK = 1, 2, 3, 4, 5
 log = logging.getLogger(__name__)
 
-try:
-    from ._shim import ffi, lib
-except ImportError as _e:  # not built: reported by availability() and the constructor
-    ffi = lib = None
-    _IMPORT_ERROR = str(_e)
 
-
-def _need_shim() -> None:
-    if lib is None:
-        raise BackendUnavailable(
-            "libfabric shim not built (" + _IMPORT_ERROR + "): install Debian libfabric-dev and run "
-            "`pip install -e . --no-build-isolation --no-deps` (or `pip install .`)")
-
-
-_swept = {"pid": 0}
-_sweep_lock = threading.Lock()
-
-
-def _sweep_dead_namesakes() -> None:
-    """libfabric shm keeps each endpoint's queues in /dev/shm/<pid>:<domain>:<endpoint> and
-    leaves the file behind when its process is killed. pids come round again (pid_max is
-    often 32768), and a process given a dead one's pid then cannot open an endpoint
-    (fi_enable: Device or resource busy; seen in CI). Before this process's first shm
-    endpoint, every file named with its pid can only be a dead process's: remove them."""
-    with _sweep_lock:
-        pid = os.getpid()
-        if _swept["pid"] == pid:
-            return
-        _swept["pid"] = pid
-        for path in glob.glob(f"/dev/shm/{pid}:*"):
-            try:
-                os.unlink(path)
-                log.info("libfabric shm: removed %s, left by a killed process that had our pid", path)
-            except OSError:
-                pass
-
-
-class _Errbuf:
-    def __init__(self) -> None:
-        self.buf = ffi.new("char[256]")
-
-    def __str__(self) -> str:
-        return ffi.string(self.buf).decode(errors="replace")
-
-
-def _check(ret: int, err: _Errbuf, what: str) -> None:
-    if ret:
-        raise TransferError(f"libfabric {what}: {err}")
-
-
-class LibfabricBackend(TransferBackend):
+class LibfabricBackend(Healing, TransferBackend):
     name = "libfabric"
 
     @classmethod
@@ -94,7 +67,7 @@ class LibfabricBackend(TransferBackend):
         for label in ("shm", "tcp", "efa", "verbs"):
             ep = ffi.new("shim_ep **")
             err = _Errbuf()
-            if lib.shim_open(PROVIDERS[label].encode(), cls._node(label, "127.0.0.1") or ffi.NULL, ep, err.buf, 256):
+            if lib.shim_open(PROVIDERS[label].encode(), cls._node(label, "127.0.0.1") or ffi.NULL, 0, ep, err.buf, 256):
                 missing.append(f"{label} ({err})")
             else:
                 found.append(label)
@@ -116,37 +89,47 @@ class LibfabricBackend(TransferBackend):
 
     def _native_open(self) -> None:
         _need_shim()
+        # hmem=True: open with FI_HMEM from the start; otherwise the first device-memory
+        # registration reopens the endpoint with it (host-only endpoints keep today's attributes).
+        self._hmem, self._guard = (self.config.options.get(k, d) for k, d in (("hmem", False), ("shm_lock_guard", True)))
+        for k, v in (("hmem", self._hmem), ("shm_lock_guard", self._guard)):
+            if not isinstance(v, bool):
+                raise TransferError(f"libfabric option {k} must be a bool, got {v!r}")
+        self._fins: dict[int, weakref.finalize] = {}
+        self._lock_off = -1  # where shm regions keep their spinlock (shmlocks.py), -1: not watched
+        self._init_healing()
         self._ep = self._open_endpoint()
         self._shim_closed = False
         self._ep_lock = threading.RLock()  # registration vs. replacing the endpoint
-        self._healing = False
-        self.endpoints_replaced = 0
-        info = ffi.new("shim_info *")
-        lib.shim_get_info(self._ep, info)
-        self.fi_info = {k: (ffi.string(getattr(info, k)).decode() if k in ("prov", "fabric", "domain")
-                            else int(getattr(info, k)))
-                        for k in ("prov", "fabric", "domain", "mr_mode", "mode", "max_msg_size", "tx_size",
-                                  "key_size", "virt_addr", "prov_key", "mr_local", "rx_cq_data")}
-        self.max_write_bytes = min(self.max_write_bytes, self.fi_info["max_msg_size"])
+        self._read_info()
         self._stop = threading.Event()
         self._async_error = ""
         self._async_errors = 0
         self._stale_addrs = 0
-        self._poisoned = ""
         self._start_poller()
+        self._start_watchdog()
 
-    def _open_endpoint(self) -> Any:
+    def _read_info(self) -> None:
+        self.fi_info = endpoint_info(self._ep)
+        self.max_write_bytes = min(type(self).max_write_bytes, self.fi_info["max_msg_size"])
+
+    def _open_endpoint(self, hmem: bool | None = None) -> Any:
         if self.provider == "shm":
             _sweep_dead_namesakes()
         ep, err = ffi.new("shim_ep **"), _Errbuf()
         node = self._node(self.provider, self.config.host)
-        if lib.shim_open(PROVIDERS[self.provider].encode(), node or ffi.NULL, ep, err.buf, 256):
-            raise BackendUnavailable(f"libfabric provider {PROVIDERS[self.provider]} unusable: {err}")
+        hmem = self._hmem if hmem is None else hmem
+        if lib.shim_open(PROVIDERS[self.provider].encode(), node or ffi.NULL, int(hmem), ep, err.buf, 256):
+            raise BackendUnavailable(f"libfabric provider {PROVIDERS[self.provider]} unusable"
+                                     f"{' with FI_HMEM' if hmem else ''}: {err}")
         # The struct outlives shim_close (a thread still calling in gets -FI_ESHUTDOWN, not
         # freed memory); it is freed once this backend is unreachable, i.e. no thread of ours
         # can call in any more.
         fin = weakref.finalize(self, lib.shim_free, ep[0])
         fin.atexit = False  # at exit daemon threads may still call in: leak instead
+        self._fins[self._key(ep[0])] = fin
+        if self.provider == "shm" and self._guard:
+            self._lock_off = shmlocks.guard_self(ep[0], address_of(ep[0]))
         return ep[0]
 
     def _start_poller(self) -> None:
@@ -155,43 +138,8 @@ class LibfabricBackend(TransferBackend):
                                         name="libfabric-progress", daemon=True)
         self._poller.start()
 
-    def _replace_endpoint(self) -> None:
-        """A poisoned shm endpoint (a peer died with writes in flight) blocks every later
-        write: replace it. Peers are closed (they reconnect and learn our new address from a
-        fresh HELLO), memory is registered again on the new endpoint under the same region
-        ids, and writes are refused until the swap is done."""
-        with self._ep_lock:
-            try:
-                log.warning("libfabric: replacing the endpoint: %s", self._poisoned)
-                for peer in self.peers():
-                    peer.close()
-                old_ep, old_poller = self._ep, self._poller
-                self._stop.set()
-                if threading.current_thread() is not old_poller:
-                    old_poller.join(timeout=2.0)
-                lib.shim_close(old_ep)
-                if self._closed:  # closed meanwhile: nothing to replace it for
-                    self._shim_closed = True
-                    return
-                new_ep = self._open_endpoint()
-                with self._lock:
-                    regions = list(self._regions.values())
-                fresh = {r.id: (r, self._register_on(new_ep, r.addr, r.length)) for r, _ in regions}
-                with self._lock:
-                    self._regions.update(fresh)
-                    self._ep = new_ep
-                self._start_poller()
-                self._poisoned = ""
-                self.endpoints_replaced += 1
-            except Exception:  # noqa: BLE001 - the backend stays poisoned and says why on every write
-                log.exception("libfabric: replacing the endpoint failed")
-            finally:
-                self._healing = False
-
     def _endpoint_info(self) -> dict[str, Any]:
-        buf, n, err = ffi.new("char[512]"), ffi.new("size_t *", 512), _Errbuf()
-        _check(lib.shim_getname(self._ep, buf, n, err.buf, 256), err, "fi_getname")
-        return {"fi_addr": base64.b64encode(ffi.buffer(buf, n[0])[:]).decode()}
+        return {"fi_addr": base64.b64encode(address_of(self._ep)).decode()}
 
     def _native_connect(self, peer: Peer) -> None:
         try:
@@ -201,9 +149,12 @@ class LibfabricBackend(TransferBackend):
         # The shim checks the address against our provider's format (length, terminator,
         # family) before fi_av_insert reads it: the hello comes from the network.
         out, err = ffi.new("uint64_t *"), _Errbuf()
-        with self._ep_lock:  # a peer connecting while the endpoint is replaced joins the new one
-            _check(lib.shim_av_insert(self._ep, raw, len(raw), out, err.buf, 256), err, "fi_av_insert")
+        # a peer connecting while the endpoint is replaced joins the new one
+        with self._ep_lock, self._stuck_on(ep := self._ep):
+            _check(lib.shim_av_insert(ep, raw, len(raw), out, err.buf, 256), err, "fi_av_insert")
             peer.native = int(out[0])
+            if self.provider == "shm":
+                shmlocks.guard_peer(ep, peer.native, raw, self._lock_off, peer.address)
 
     def _native_disconnect(self, peer: Peer) -> None:
         if peer.native is None:
@@ -217,43 +168,81 @@ class LibfabricBackend(TransferBackend):
         # In-flight writes to a dead peer may never complete (shm): the shim frees them
         # when they do, or at close. While any are queued the address must stay in the AV:
         # shm unmaps the peer's region on fi_av_remove and its progress then faults on it.
-        pending = lib.shim_abandon_peer(self._ep, peer.native)
-        if pending:
+        ep = self._ep
+        pending = lib.shim_abandon_peer(ep, peer.native)
+        if pending == -ESTUCK:  # return now: the caller fails the peer's futures next
+            self._on_stuck(ep, stuck_text())
+        elif pending:
             self._stale_addrs += 1
             if self.provider == "shm":
-                self._poisoned = (
+                self._poison(
                     f"shm endpoint unusable: peer {peer.address} was lost with {pending} batch(es) in flight; "
                     "libfabric shm consumes write responses in order, so the dead peer's never-answered "
                     "response blocks every later non-inject write (head-of-line); the endpoint is being "
                     "replaced")
-                if not self._healing and not self._closed:
-                    self._healing = True
-                    threading.Thread(target=self._replace_endpoint, name="libfabric-replace", daemon=True).start()
         elif self.provider == "shm" and peer.state is PeerState.LOST:
             # A dead shm sender may still have commands in our queue that point into its
             # region: keep it mapped (one AV slot per lost peer, freed at close).
             self._stale_addrs += 1
         else:
             err = _Errbuf()
-            _check(lib.shim_av_remove(self._ep, peer.native, err.buf, 256), err, "fi_av_remove")
+            with contextlib.suppress(EndpointStuck), self._stuck_on(ep):  # it goes with the endpoint
+                _check(lib.shim_av_remove(ep, peer.native, err.buf, 256), err, "fi_av_remove")
         peer.native = None
 
-    def _native_register(self, addr: int, length: int) -> NativeRegistration:
-        with self._ep_lock:
-            return self._register_on(self._ep, addr, length)
+    def _native_register(self, addr: int, length: int, memory: Memory) -> NativeRegistration:
+        with self._ep_lock, self._stuck_on(ep := self._ep):
+            if memory.kind is MemoryKind.HOST:
+                return register_on(ep, addr, length, memory)
+            if not self._hmem:
+                return self._reopen_with_hmem(addr, length, memory)
+            try:
+                return register_on(ep, addr, length, memory)
+            except EndpointStuck:
+                raise
+            except TransferError as e:
+                raise self._refusal(memory, e) from e
 
-    @staticmethod
-    def _register_on(ep: Any, addr: int, length: int) -> NativeRegistration:
-        h, key, base, err = ffi.new("uint64_t *"), ffi.new("uint64_t *"), ffi.new("uint64_t *"), _Errbuf()
-        _check(lib.shim_mr_reg(ep, ffi.cast("void *", addr), length, h, key, base, err.buf, 256), err, "fi_mr_reg")
-        return NativeRegistration(int(h[0]), int(base[0]), int(key[0]))
+    def _refusal(self, memory: Memory, error: Exception) -> UnsupportedMemory:
+        why = str(error).removeprefix("libfabric register: ")
+        hint = ("the provider does not offer FI_HMEM" if isinstance(error, BackendUnavailable) else
+                "fi_info listing FI_HMEM is not enough: this libfabric must be built with CUDA")
+        return UnsupportedMemory(f"libfabric provider {PROVIDERS[self.provider]} cannot register {memory}: "
+                                 f"{why} ({hint}); use host memory, or nixl (VRAM) for device memory")
+
+    def _reopen_with_hmem(self, addr: int, length: int, memory: Memory) -> NativeRegistration:
+        """The first device registration (the KV pool, at start-up): open an FI_HMEM endpoint
+        and register there; only if that succeeds does it replace the host-only endpoint."""
+        if self._regions or self.peers():
+            raise UnsupportedMemory(
+                f"libfabric {self.provider}: register {memory} before any other region or peer (the endpoint is "
+                "reopened with FI_HMEM then), or open the backend with options {'hmem': True}")
+        try:
+            ep = self._open_endpoint(hmem=True)
+        except BackendUnavailable as e:
+            raise self._refusal(memory, e) from e
+        try:
+            reg = register_on(ep, addr, length, memory)
+        except TransferError as e:
+            self._release(ep)
+            raise self._refusal(memory, e) from e
+        old_ep, old_poller = self._ep, self._poller
+        self._stop.set()
+        if threading.current_thread() is not old_poller:
+            old_poller.join(timeout=2.0)
+        self._release(old_ep)
+        self._ep, self._hmem = ep, True
+        self._read_info()
+        self._start_poller()
+        return reg
 
     def _native_deregister(self, reg: NativeRegistration) -> None:
         err = _Errbuf()
         with self._ep_lock:
             if self._shim_closed:  # registrations went with the endpoint
                 return
-            _check(lib.shim_mr_close(self._ep, reg.handle, err.buf, 256), err, "fi_close(mr)")
+            with contextlib.suppress(EndpointStuck), self._stuck_on(ep := self._ep):  # goes with it
+                _check(lib.shim_mr_close(ep, reg.handle, err.buf, 256), err, "fi_close(mr)")
 
     def _handle(self, region: MemoryRegion) -> int:
         # Checked before posting, but deregister() may run in between (another thread).
@@ -279,8 +268,15 @@ class LibfabricBackend(TransferBackend):
         fi_addr = peer.native  # None once the peer is dropped; the shim refuses dead ones too
         if fi_addr is None:
             raise PeerLostError(f"peer {peer.address} is {peer.state.value}")
-        err = _Errbuf()
-        if lib.shim_post(self._ep, batch_id, fi_addr, n, *arrays, imm, err.buf, 256):
+        ep, err = self._ep, _Errbuf()
+        ret = lib.shim_post(ep, batch_id, fi_addr, n, *arrays, imm, err.buf, 256)
+        if ret == -ESTUCK:
+            self._on_stuck(ep, str(err))
+            raise EndpointStuck(f"libfabric post: {err}")
+        if ret == -errno.ECONNRESET and peer.state is PeerState.CONNECTED:  # the shim saw its process exit
+            self._lose_peer(peer, f"its process exited ({err})")
+            raise PeerLostError(f"libfabric post to {peer.address}: {err}")
+        if ret:
             if peer.state is not PeerState.CONNECTED:
                 raise PeerLostError(f"libfabric post to {peer.address}: {err}")
             raise TransferError(f"libfabric post: {err}")
@@ -314,6 +310,9 @@ class LibfabricBackend(TransferBackend):
                 # Whatever one event does (a user callback, a bug of ours), the thread must
                 # survive it: it is the only one that completes this backend's transfers.
                 try:
+                    if events[i].kind == _EV_STUCK:
+                        self._on_stuck(ep, ffi.string(events[i].msg).decode(errors="replace"))
+                        continue
                     self._handle_event(events[i])
                 except Exception as e:  # noqa: BLE001
                     log.exception("libfabric progress: handling event kind %d failed", events[i].kind)
@@ -341,16 +340,22 @@ class LibfabricBackend(TransferBackend):
             self._tracker.transport_error(text)
 
     def _native_expire(self, batch_id: int) -> None:
-        if not self._shim_closed:
-            lib.shim_abandon_batch(self._ep, batch_id)
+        ep = self._ep
+        if not self._shim_closed and lib.shim_abandon_batch(ep, batch_id) == -ESTUCK:
+            self._on_stuck(ep, stuck_text())
 
     def _native_stats(self) -> dict[str, int]:
-        # after close the shim answers 0 live batches
-        return {"native_batches": int(lib.shim_live_batches(self._ep)), "stale_addresses": self._stale_addrs,
+        ep = self._ep
+        live = int(lib.shim_live_batches(ep))  # after close the shim answers 0
+        if live == -ESTUCK:
+            self._on_stuck(ep, stuck_text())
+            live = -1
+        return {"native_batches": live, "stale_addresses": self._stale_addrs,
                 "poisoned": int(bool(self._poisoned)), "async_errors": self._async_errors,
-                "endpoints_replaced": self.endpoints_replaced}
+                "endpoints_replaced": self.endpoints_replaced, "endpoints_abandoned": self.endpoints_abandoned}
 
     def _native_close(self) -> None:
+        self._stop_watchdog()
         with self._ep_lock:  # never while the endpoint is being replaced
             if self._shim_closed:
                 return
@@ -363,6 +368,6 @@ class LibfabricBackend(TransferBackend):
         # because shim_close waits for every thread inside the shim (poller, writers parked
         # in shim_post) to leave, and the struct stays valid until the finalizer frees it.
         if threading.current_thread() is not self._poller:
-            self._poller.join(timeout=2.0)
+            self._poller.join(timeout=0.2 if self._stuck else 2.0)
         self._shim_closed = True
-        lib.shim_close(self._ep)
+        self._release(self._ep)

@@ -8,11 +8,21 @@
  * shim_close marks the endpoint closing, waits until no caller is inside (a writer parked in
  * shim_post's back-off, the poller), then closes the fids. The struct itself (and its mutex)
  * stays valid until shim_free, so a Python thread that calls in after close gets a clean
- * -FI_ESHUTDOWN instead of touching freed memory. */
+ * -FI_ESHUTDOWN instead of touching freed memory.
+ * Stuck: a thread that never comes back out of the provider keeps the mutex for good (libfabric
+ * shm spins forever on a spinlock in shared memory whose holder died). Only the poller waits for
+ * the mutex without bound; every other caller gives up with -SHIM_ESTUCK once the holder has made
+ * no progress for SHIM_STUCK_MS, and so does shim_close, which then leaves the endpoint to leak.
+ * shm guards: so that no thread of ours waits inside the provider on such a lock, we map the
+ * regions read-only (our own, each peer's) and look at their lock word before fi_cq_read (ours)
+ * and fi_writedata (the peer's): one load, with the line the provider is about to lock anyway.
+ * A lock found held is waited for here, where the peer's pidfd and the deadlines are watched. */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
 #include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdint.h>
@@ -20,8 +30,12 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 #include <netinet/in.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
 #include <rdma/fabric.h>
 #include <rdma/fi_cm.h>
 #include <rdma/fi_domain.h>
@@ -34,6 +48,25 @@
 #define N_RECV 256
 #define CQ_BATCH 64
 #define POST_STALL_NS (10LL * 1000000000LL)
+#define STUCK_NS ((int64_t)SHIM_STUCK_MS * 1000000LL)
+/* A bounded caller waits for the mutex in slices, and gives up once the holder has made no
+ * progress for STUCK_NS (or, if holders keep changing without ever letting it in, after
+ * ENTER_MAX_NS: starved that long is as good as stuck). */
+#define LOCK_SLICE_NS (50LL * 1000000LL)
+#define ENTER_MAX_NS (4 * STUCK_NS)
+/* A spinlock in shared memory found held is waited for this long (spinning) before backing off. */
+#define SPIN_WAIT_NS 20000LL
+/* A peer's pidfd is polled (a syscall) at most this often by posts that go through; always by
+ * a post that backs off. A write posted in between to a peer just dead fails with the peer
+ * (control channel EOF), like one posted just before it died. */
+#define PID_CHECK_NS 1000000LL
+#if defined(__x86_64__) || defined(__i386__)
+#define cpu_relax() __builtin_ia32_pause()
+#elif defined(__aarch64__)
+#define cpu_relax() __asm__ __volatile__("yield")
+#else
+#define cpu_relax() ((void)0)
+#endif
 /* MR handles handed to Python: slot | generation << 32, so a handle kept past its
  * deregistration never resolves to a later registration that reused the slot. */
 #define MR_SLOT(h) ((size_t)((h) & 0xffffffffu))
@@ -59,12 +92,28 @@ struct imm_count { uint32_t tag; uint64_t count; };
 struct tag_err { uint32_t tag; int status; char msg[192]; };
 struct mr_slot { struct fid_mr *mr; void *buf; size_t len; void *desc; uint32_t gen; };
 
-struct addr_set { uint64_t *v; size_t n, cap; };
+/* A peer in our AV that we may post to, and what we watch of it (shm): its process (pidfd)
+ * and the lock word of its region (a read-only mapping of the region's first page). */
+struct peer_ent {
+    uint64_t addr; int pidfd, pid, exited; int64_t checked;
+    const int *lock; void *map; size_t maplen;
+};
+struct peer_tab { struct peer_ent *v; size_t n, cap; };
 
 struct shim_ep {
     pthread_mutex_t lock;
     pthread_cond_t idle;             /* signalled when `users` drops to 0 while closing */
-    int users, closing, closed;
+    int users, closed;
+    int closing;                     /* atomic: set by shim_close before it takes the lock */
+    int stuck, stuck_claim;          /* atomic, sticky: see SHIM_ESTUCK; stuck_msg says why */
+    int stuck_event;                 /* 1: shim_poll is to report it, 2: reported */
+    char stuck_msg[160];
+    int64_t held_since;              /* atomic: when the mutex's holder took it or last made progress */
+    int slow;                        /* atomic: the holder is registering memory (pinning many GB on
+                                      * verbs/efa takes seconds): long, not stuck */
+    char name[256]; size_t namelen;  /* our address, fixed at open */
+    const int *own_lock; void *own_map; size_t own_maplen;  /* shm: our region's lock word */
+    int64_t own_busy_since;          /* since when drain() has found it held, or 0 */
     size_t addrlen;                  /* length of our own address */
     uint32_t addr_format;            /* FI_ADDR_STR, FI_SOCKADDR_IN, ...: what a peer's must be */
     char scheme[32];                 /* FI_ADDR_STR: our "fi_xxx://" prefix */
@@ -84,29 +133,38 @@ struct shim_ep {
     struct shim_op recv_ops[N_RECV];
     char async_msg[192]; int async_status;
     int64_t last_activity;           /* ns; last post or completion, drives idle back-off */
-    struct addr_set postable;        /* in this endpoint's AV and not abandoned: posts to any other
+    struct peer_tab postable;        /* in this endpoint's AV and not abandoned: posts to any other
                                       * address (a lost peer's, another endpoint's) are refused */
     struct tag_err *tag_errs; size_t n_tag_errs, cap_tag_errs;  /* failed remote writes, by tag */
 };
 
-static int set_has(const struct addr_set *s, uint64_t a) {
-    for (size_t i = 0; i < s->n; i++) if (s->v[i] == a) return 1;
-    return 0;
+static struct peer_ent *peer_find(struct peer_tab *t, uint64_t a) {
+    for (size_t i = 0; i < t->n; i++) if (t->v[i].addr == a) return &t->v[i];
+    return NULL;
 }
 
-static void set_add(struct addr_set *s, uint64_t a) {
-    if (set_has(s, a)) return;
-    if (s->n == s->cap) {
-        size_t cap = s->cap ? 2 * s->cap : 16;
-        uint64_t *p = realloc(s->v, cap * sizeof *p);
-        if (!p) return;
-        s->v = p; s->cap = cap;
+static void peer_add(struct peer_tab *t, uint64_t a) {
+    if (peer_find(t, a)) return;
+    if (t->n == t->cap) {
+        size_t cap = t->cap ? 2 * t->cap : 16;
+        struct peer_ent *p = realloc(t->v, cap * sizeof *p);
+        if (!p) return;  /* not postable: posts to it are refused */
+        t->v = p; t->cap = cap;
     }
-    s->v[s->n++] = a;
+    t->v[t->n++] = (struct peer_ent){ .addr = a, .pidfd = -1 };
 }
 
-static void set_del(struct addr_set *s, uint64_t a) {
-    for (size_t i = 0; i < s->n; i++) if (s->v[i] == a) { s->v[i] = s->v[--s->n]; return; }
+static void unguard(struct peer_ent *p) {
+    if (p->pidfd >= 0) close(p->pidfd);
+    if (p->map) munmap(p->map, p->maplen);
+    *p = (struct peer_ent){ .addr = p->addr, .pidfd = -1 };
+}
+
+static void peer_del(struct peer_tab *t, uint64_t a) {
+    struct peer_ent *p = peer_find(t, a);
+    if (!p) return;
+    unguard(p);
+    *p = t->v[--t->n];
 }
 
 static void set_err(char *err, size_t len, const char *what, int ret) {
@@ -118,12 +176,63 @@ static int64_t now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
-static void touch(shim_ep *e) { __atomic_store_n(&e->last_activity, now_ns(), __ATOMIC_RELAXED); }
+static int closing(shim_ep *e) { return __atomic_load_n(&e->closing, __ATOMIC_ACQUIRE); }
 
-/* Lock and count the caller in, unless the endpoint is closing: then nothing is locked. */
+static void mark_held(shim_ep *e, int64_t t) { __atomic_store_n(&e->held_since, t, __ATOMIC_RELAXED); }
+
+/* Progress (a post, a completion): also proof that the mutex's holder is not stuck. */
+static void touch(shim_ep *e) {
+    int64_t t = now_ns();
+    __atomic_store_n(&e->last_activity, t, __ATOMIC_RELAXED);
+    mark_held(e, t);
+}
+
+/* The first to find the endpoint stuck says why (`why`: a format taking the bound in seconds);
+ * it stays stuck. */
+static void declare_stuck(shim_ep *e, const char *why) {
+    if (__atomic_exchange_n(&e->stuck_claim, 1, __ATOMIC_ACQ_REL)) return;
+    snprintf(e->stuck_msg, sizeof e->stuck_msg, why, SHIM_STUCK_MS / 1000.0);
+    __atomic_store_n(&e->stuck, 1, __ATOMIC_RELEASE);
+}
+
+static int stuck_err(shim_ep *e, char *err, size_t errlen) {
+    if (err && errlen)
+        snprintf(err, errlen, "endpoint stuck: %s", e->stuck_msg);
+    return -SHIM_ESTUCK;
+}
+
+#define STUCK_INSIDE "a thread has been inside the provider for %g s, holding the endpoint " \
+                     "(libfabric shm: a process died holding a spinlock in shared memory)"
+
+/* Take the mutex for a caller other than the poller: 0, or -SHIM_ESTUCK once its holder has made
+ * no progress for STUCK_NS (or this caller waited max_ns). */
+static int lock_bounded(shim_ep *e, int64_t max_ns) {
+    int64_t start = now_ns();
+    for (;;) {
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        int64_t ns = ts.tv_nsec + LOCK_SLICE_NS;
+        ts.tv_sec += ns / 1000000000LL; ts.tv_nsec = ns % 1000000000LL;
+        int r = pthread_mutex_clocklock(&e->lock, CLOCK_MONOTONIC, &ts);
+        int64_t now = now_ns();
+        if (r == 0) { mark_held(e, now); return 0; }
+        if (r != ETIMEDOUT) return -r;
+        if (__atomic_load_n(&e->slow, __ATOMIC_RELAXED)) { start = now; continue; }
+        if (now - __atomic_load_n(&e->held_since, __ATOMIC_RELAXED) >= STUCK_NS || now - start >= max_ns) {
+            declare_stuck(e, STUCK_INSIDE);
+            return -SHIM_ESTUCK;
+        }
+    }
+}
+
+/* Lock and count the caller in, unless the endpoint is closing or stuck: then nothing is locked.
+ * Every entry point but shim_poll (the poller may wait: it is the one that would be stuck). */
 static int enter(shim_ep *e, char *err, size_t errlen) {
-    pthread_mutex_lock(&e->lock);
-    if (e->closing) {
+    if (__atomic_load_n(&e->stuck, __ATOMIC_ACQUIRE)) return stuck_err(e, err, errlen);
+    int ret = closing(e) ? -FI_ESHUTDOWN : lock_bounded(e, ENTER_MAX_NS);
+    if (ret == -SHIM_ESTUCK) return stuck_err(e, err, errlen);
+    if (ret) { set_err(err, errlen, ret == -FI_ESHUTDOWN ? "endpoint closed" : "pthread_mutex_clocklock", ret); return ret; }
+    if (closing(e)) {
         pthread_mutex_unlock(&e->lock);
         set_err(err, errlen, "endpoint closed", -FI_ESHUTDOWN);
         return -FI_ESHUTDOWN;
@@ -132,9 +241,84 @@ static int enter(shim_ep *e, char *err, size_t errlen) {
     return 0;
 }
 
+static int enter_poller(shim_ep *e) {
+    if (closing(e)) return -FI_ESHUTDOWN;
+    pthread_mutex_lock(&e->lock);
+    mark_held(e, now_ns());
+    if (closing(e)) { pthread_mutex_unlock(&e->lock); return -FI_ESHUTDOWN; }
+    e->users++;
+    return 0;
+}
+
 static void leave(shim_ep *e) {
-    if (--e->users == 0 && e->closing) pthread_cond_broadcast(&e->idle);
+    if (--e->users == 0 && closing(e)) pthread_cond_broadcast(&e->idle);
     pthread_mutex_unlock(&e->lock);
+}
+
+/* ----- shm guards: spinlocks in shared memory, looked at, never taken ----- */
+static int spin_free_value;          /* what an unlocked pthread_spinlock_t holds (glibc x86-64: 1) */
+static pthread_once_t spin_once = PTHREAD_ONCE_INIT;
+static void spin_probe(void) {
+    pthread_spinlock_t l;
+    pthread_spin_init(&l, PTHREAD_PROCESS_SHARED);
+    spin_free_value = *(volatile int *)&l;
+    pthread_spin_destroy(&l);
+}
+
+static int word_free(const int *w) { return __atomic_load_n(w, __ATOMIC_ACQUIRE) == spin_free_value; }
+
+static int wait_free(const int *w) {
+    if (word_free(w)) return 1;
+    int64_t end = now_ns() + SPIN_WAIT_NS;
+    do { cpu_relax(); if (word_free(w)) return 1; } while (now_ns() < end);
+    return 0;
+}
+
+/* Maps the first page of /dev/shm/<region> read-only; *lock = the int at `off`. */
+static int map_lock(const char *region, int64_t off, void **map, size_t *len, const int **lock) {
+    long pg = sysconf(_SC_PAGESIZE);
+    if (off < 0 || off % (int64_t)sizeof(int) || off + (int64_t)sizeof(int) > pg) return -FI_EINVAL;
+    int fd = shm_open(region, O_RDONLY, 0);
+    if (fd < 0) return -errno;
+    struct stat st;
+    int ret = fstat(fd, &st) ? -errno : st.st_size < off + (off_t)sizeof(int) ? -FI_EINVAL : 0;
+    void *m = ret ? MAP_FAILED : mmap(NULL, (size_t)pg, PROT_READ, MAP_SHARED, fd, 0);
+    if (!ret && m == MAP_FAILED) ret = -errno;
+    close(fd);
+    if (ret) return ret;
+    *map = m; *len = (size_t)pg; *lock = (const int *)((const char *)m + off);
+    return 0;
+}
+
+/* Sticky: a pidfd turns readable when its process exits (a zombie too). `now`: 0 to poll
+ * whenever, else not more often than PID_CHECK_NS. */
+static int peer_exited(struct peer_ent *p, int64_t now) {
+    if (!p || p->pidfd < 0) return 0;
+    if (!p->exited && (!now || now - p->checked >= PID_CHECK_NS)) {
+        struct pollfd q = { .fd = p->pidfd, .events = POLLIN };
+        p->exited = poll(&q, 1, 0) > 0;
+        p->checked = now;
+    }
+    return p->exited;
+}
+
+/* fi_writedata would wait for this peer's region lock inside the provider: held, wait here. */
+static int peer_busy(struct peer_ent *p) { return p && p->lock && !wait_free(p->lock); }
+
+/* fi_cq_read takes our own region's lock (progress): held, do not go in. Held STUCK_NS by
+ * someone else (nothing of ours can hold it: fi_cq_read runs under the mutex), it will not be
+ * released: the endpoint is stuck, and shim_poll says so. Caller holds the mutex. */
+static int own_lock_free(shim_ep *e) {
+    if (!e->own_lock || wait_free(e->own_lock)) { e->own_busy_since = 0; return 1; }
+    int64_t now = now_ns();
+    if (!e->own_busy_since) {
+        e->own_busy_since = now;
+    } else if (now - e->own_busy_since >= STUCK_NS && !e->stuck_event) {
+        declare_stuck(e, "another process has held this shm endpoint's region lock for %g s "
+                         "(it died holding it: libfabric shm's progress would spin on it for good)");
+        e->stuck_event = 1;
+    }
+    return 0;
 }
 
 static void list_del(struct shim_batch *b) { b->prev->next = b->next; b->next->prev = b->prev; }
@@ -210,6 +394,7 @@ static int drain(shim_ep *e) {
     int total = 0;
     if (e->n_unposted) repost_recvs(e);
     for (;;) {
+        if (!own_lock_free(e)) return total;
         ssize_t n = fi_cq_read(e->cq, ent, CQ_BATCH);
         if (n == -FI_EAGAIN) return total;
         if (n == -FI_EAVAIL) {
@@ -288,17 +473,22 @@ static void close_fids(shim_ep *e);
 
 /* Frees the struct; only for an endpoint nobody else can reach (failed open, shim_free). */
 static void destroy(shim_ep *e) {
-    free(e->mrs); free(e->imms); free(e->postable.v); free(e->tag_errs);
+    free(e->mrs); free(e->imms); free(e->postable.v); free(e->tag_errs);  /* guards: close_fids */
     pthread_cond_destroy(&e->idle);
     pthread_mutex_destroy(&e->lock);
     free(e);
 }
 
-int shim_open(const char *prov, const char *node, shim_ep **out, char *err, size_t errlen) {
+/* hmem: ask for FI_HMEM (and FI_MR_HMEM), i.e. an endpoint that may register device
+ * memory. Only on request: shm answers FI_HMEM with other attributes (no inject), and a
+ * listed FI_HMEM says nothing about a CUDA registration succeeding (Debian's 1.17 lists it
+ * for shm without CUDA support): shim_mr_reg is what tells. */
+int shim_open(const char *prov, const char *node, int hmem, shim_ep **out, char *err, size_t errlen) {
     shim_ep *e = calloc(1, sizeof *e);
     struct fi_info *hints = fi_allocinfo();
     int ret;
     if (!e || !hints) { set_err(err, errlen, "alloc", -FI_ENOMEM); free(e); fi_freeinfo(hints); return -FI_ENOMEM; }
+    pthread_once(&spin_once, spin_probe);
     pthread_mutex_init(&e->lock, NULL);
     pthread_cond_init(&e->idle, NULL);
     e->live.next = e->live.prev = &e->live;
@@ -309,10 +499,14 @@ int shim_open(const char *prov, const char *node, shim_ep **out, char *err, size
     hints->domain_attr->threading = FI_THREAD_DOMAIN;
     hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED |
                                   FI_MR_PROV_KEY | FI_MR_ENDPOINT;
+    if (hmem) {
+        hints->caps |= FI_HMEM;
+        hints->domain_attr->mr_mode |= FI_MR_HMEM;
+    }
     hints->fabric_attr->prov_name = strdup(prov);
     ret = fi_getinfo(FI_VERSION(1, 17), node, NULL, node ? FI_SOURCE : 0, hints, &e->info);
     fi_freeinfo(hints);
-    if (ret) { set_err(err, errlen, "fi_getinfo", ret); destroy(e); return ret; }
+    if (ret) { set_err(err, errlen, hmem ? "fi_getinfo(FI_HMEM)" : "fi_getinfo", ret); destroy(e); return ret; }
     struct fi_info *fi = e->info;
     if (fi->domain_attr->cq_data_size < 4) {  /* the tag must travel whole */
         ret = -FI_ENOSYS;
@@ -333,9 +527,9 @@ int shim_open(const char *prov, const char *node, shim_ep **out, char *err, size
     /* Our own address length is the only length a peer of the same provider can have:
      * fi_av_insert reads exactly that many bytes from whatever a peer sent. */
     {
-        char name[512]; size_t len = sizeof name;
+        char *name = e->name; size_t len = sizeof e->name;
         if ((ret = fi_getname(&e->ep->fid, name, &len))) { set_err(err, errlen, "fi_getname", ret); goto fail; }
-        e->addrlen = len;
+        e->addrlen = e->namelen = len;
         e->addr_format = fi->addr_format;
         if (fi->addr_format == FI_ADDR_STR) {
             const char *sep = memchr(name, ':', len < sizeof e->scheme ? len : sizeof e->scheme - 1);
@@ -355,6 +549,7 @@ int shim_open(const char *prov, const char *node, shim_ep **out, char *err, size
     si->prov_key = !!(fi->domain_attr->mr_mode & FI_MR_PROV_KEY);
     si->mr_local = !!(fi->domain_attr->mr_mode & FI_MR_LOCAL);
     si->rx_cq_data = !!(fi->mode & FI_RX_CQ_DATA);
+    si->hmem = !!(fi->caps & FI_HMEM);
     if (si->rx_cq_data)
         for (int i = 0; i < N_RECV; i++)
             if ((ret = post_recv(e, &e->recv_ops[i]))) {
@@ -372,12 +567,78 @@ fail:
 
 int shim_get_info(shim_ep *e, shim_info *info) { *info = e->si; return 0; }
 
+/* Fixed at open, so read without entering: a stuck endpoint still says who it was. */
 int shim_getname(shim_ep *e, void *buf, size_t *len, char *err, size_t errlen) {
+    if (*len < e->namelen) {
+        *len = e->namelen;
+        set_err(err, errlen, "fi_getname", -FI_ETOOSMALL);
+        return -FI_ETOOSMALL;
+    }
+    memcpy(buf, e->name, e->namelen);
+    *len = e->namelen;
+    return 0;
+}
+
+int shim_guard_self(shim_ep *e, const char *region, int64_t lock_off, char *err, size_t errlen) {
+    void *m; size_t n; const int *w;
     int ret = enter(e, err, errlen);
     if (ret) return ret;
-    ret = fi_getname(&e->ep->fid, buf, len);
+    if ((ret = map_lock(region, lock_off, &m, &n, &w))) {
+        set_err(err, errlen, "shim_guard_self: mapping the endpoint's shm region", ret);
+    } else if (!word_free(w)) {  /* nobody can hold it yet (no peer knows us, no poll ran): wrong word */
+        if (err && errlen)
+            snprintf(err, errlen, "shim_guard_self: the int at offset %lld of /dev/shm/%s is %d, not a free "
+                     "spinlock (%d): unknown region layout", (long long)lock_off, region, *w, spin_free_value);
+        munmap(m, n);
+        ret = -FI_EINVAL;
+    } else {
+        if (e->own_map) munmap(e->own_map, e->own_maplen);
+        e->own_map = m; e->own_maplen = n; e->own_lock = w; e->own_busy_since = 0;
+    }
     leave(e);
-    if (ret) set_err(err, errlen, "fi_getname", ret);
+    return ret;
+}
+
+int shim_guard_peer(shim_ep *e, uint64_t fi_addr, int pid, const char *region, int64_t lock_off,
+                    char *err, size_t errlen) {
+    int ret = enter(e, err, errlen);
+    if (ret) return ret;
+    struct peer_ent *p = peer_find(&e->postable, fi_addr);
+    if (!p) {
+        ret = -FI_EINVAL;
+        set_err(err, errlen, "shim_guard_peer: not a peer in this endpoint's address vector", ret);
+        goto out;
+    }
+    unguard(p);
+    if (pid > 0) {
+#ifdef SYS_pidfd_open
+        int fd = (int)syscall(SYS_pidfd_open, pid, 0);
+#else
+        int fd = -1; errno = ENOSYS;
+#endif
+        if (fd >= 0) {
+            p->pidfd = fd; p->pid = pid;
+        } else if (errno == ESRCH) {
+            ret = -FI_ECONNRESET;
+            if (err && errlen) snprintf(err, errlen, "the peer's process (pid %d) is gone", pid);
+            goto out;
+        }   /* else (a kernel before 5.3): its exit is noticed by the control channel only */
+    }
+    if (region && lock_off >= 0) {
+        if ((ret = map_lock(region, lock_off, &p->map, &p->maplen, &p->lock))) {
+            set_err(err, errlen, "shim_guard_peer: mapping the peer's shm region (its lock is not watched)", ret);
+        } else if (e->own_map && *(const uint8_t *)p->map != *(const uint8_t *)e->own_map) {
+            /* another shm version may lay its region out otherwise: read nothing of it */
+            if (err && errlen)
+                snprintf(err, errlen, "shim_guard_peer: the peer's shm region has version %u, ours %u "
+                         "(its lock is not watched)", *(const uint8_t *)p->map, *(const uint8_t *)e->own_map);
+            munmap(p->map, p->maplen);
+            p->map = NULL; p->lock = NULL;
+            ret = -FI_EINVAL;
+        }
+    }
+out:
+    leave(e);
     return ret;
 }
 
@@ -421,7 +682,7 @@ int shim_av_insert(shim_ep *e, const void *addr, size_t addrlen, uint64_t *fi_ad
     if (ret) return ret;
     if ((ret = enter(e, err, errlen))) return ret;
     ret = fi_av_insert(e->av, addr, 1, &a, 0, NULL);
-    if (ret == 1) set_add(&e->postable, a);  /* a slot freed by fi_av_remove may come back */
+    if (ret == 1) peer_add(&e->postable, a);  /* a slot freed by fi_av_remove may come back */
     leave(e);
     if (ret != 1) {
         set_err(err, errlen, "fi_av_insert", ret < 0 ? ret : -FI_EADDRNOTAVAIL);
@@ -436,20 +697,44 @@ int shim_av_remove(shim_ep *e, uint64_t fi_addr, char *err, size_t errlen) {
     int ret = enter(e, err, errlen);
     if (ret) return ret;
     ret = fi_av_remove(e->av, &a, 1, 0);
-    if (!ret) set_del(&e->postable, a);
+    if (!ret) peer_del(&e->postable, a);
     leave(e);
     if (ret) set_err(err, errlen, "fi_av_remove", ret);
     return ret;
 }
 
-int shim_mr_reg(shim_ep *e, void *buf, size_t len, uint64_t *handle, uint64_t *key,
+static const char *iface_name(int iface) {
+    return iface == FI_HMEM_SYSTEM ? "FI_HMEM_SYSTEM" : iface == FI_HMEM_CUDA ? "FI_HMEM_CUDA" : "FI_HMEM_?";
+}
+
+int shim_mr_reg(shim_ep *e, void *buf, size_t len, int iface, int device, uint64_t *handle, uint64_t *key,
                 uint64_t *base, char *err, size_t errlen) {
     struct fid_mr *mr = NULL;
+    if (iface != FI_HMEM_SYSTEM && iface != FI_HMEM_CUDA) {
+        set_err(err, errlen, "shim_mr_reg: unknown memory interface", -FI_EINVAL);
+        return -FI_EINVAL;
+    }
     int ret = enter(e, err, errlen);
     if (ret) return ret;
+    if (iface != FI_HMEM_SYSTEM && !e->si.hmem) {
+        ret = -FI_EOPNOTSUPP;
+        if (err && errlen)
+            snprintf(err, errlen, "fi_mr_regattr(%s): endpoint opened without FI_HMEM", iface_name(iface));
+        goto out;
+    }
     uint64_t want = e->si.prov_key ? 0 : e->next_key++;
-    ret = fi_mr_reg(e->domain, buf, len, FI_WRITE | FI_REMOTE_WRITE, 0, want, 0, &mr, NULL);
-    if (ret) { set_err(err, errlen, "fi_mr_reg", ret); goto out; }
+    struct iovec iov = { .iov_base = buf, .iov_len = len };
+    struct fi_mr_attr attr = { .mr_iov = &iov, .iov_count = 1, .access = FI_WRITE | FI_REMOTE_WRITE,
+                               .requested_key = want, .iface = (enum fi_hmem_iface)iface };
+    if (iface == FI_HMEM_CUDA) attr.device.cuda = device;
+    __atomic_store_n(&e->slow, 1, __ATOMIC_RELAXED);  /* until `out` */
+    ret = fi_mr_regattr(e->domain, &attr, 0, &mr);
+    if (ret) {
+        if (err && errlen)
+            snprintf(err, errlen, "fi_mr_regattr(%s, device %d): %s (%d)", iface_name(iface),
+                     iface == FI_HMEM_CUDA ? device : -1, fi_strerror(-ret), ret);
+        goto out;
+    }
     if (e->si.mr_mode & FI_MR_ENDPOINT) {
         if ((ret = fi_mr_bind(mr, &e->ep->fid, 0)) || (ret = fi_mr_enable(mr))) {
             set_err(err, errlen, "fi_mr_bind/enable", ret); fi_close(&mr->fid); goto out;
@@ -468,6 +753,8 @@ int shim_mr_reg(shim_ep *e, void *buf, size_t len, uint64_t *handle, uint64_t *k
     *key = fi_mr_key(mr);
     *base = e->si.virt_addr ? (uint64_t)(uintptr_t)buf : 0;
 out:
+    __atomic_store_n(&e->slow, 0, __ATOMIC_RELAXED);
+    touch(e);
     leave(e);
     return ret;
 }
@@ -483,7 +770,10 @@ int shim_mr_close(shim_ep *e, uint64_t handle, char *err, size_t errlen) {
     if (ret) return ret;
     struct mr_slot *s = mr_lookup(e, handle);
     if (s) {
+        __atomic_store_n(&e->slow, 1, __ATOMIC_RELAXED);
         ret = fi_close(&s->mr->fid);
+        __atomic_store_n(&e->slow, 0, __ATOMIC_RELAXED);
+        touch(e);
         s->mr = NULL;
         s->gen++;   /* stale handles (a batch built before this) no longer resolve */
         if (ret) set_err(err, errlen, "fi_close(mr)", ret);
@@ -495,10 +785,19 @@ int shim_mr_close(shim_ep *e, uint64_t handle, char *err, size_t errlen) {
     return ret;
 }
 
-/* Caller is inside (enter). Returns 0 or a negative libfabric status with `err` set. */
+/* Caller is inside (enter). Returns 0 or a negative status with `err` set; *held = 0 when it
+ * returns without the mutex (-SHIM_ESTUCK: it could not take it back after a back-off; the
+ * endpoint is given up with `b` in it). */
 static int post_locked(shim_ep *e, struct shim_batch *b, size_t n, const uint64_t *mr,
                        const uint64_t *src_off, const uint64_t *raddr, const uint64_t *rkey,
-                       const uint64_t *len, uint32_t imm, char *err, size_t errlen) {
+                       const uint64_t *len, uint32_t imm, int *held, char *err, size_t errlen) {
+    struct peer_ent *pe = peer_find(&e->postable, b->peer);
+    *held = 1;
+    if (peer_exited(pe, now_ns())) {  /* shm would queue the writes for nobody, or spin on its dead lock */
+        if (err && errlen) snprintf(err, errlen, "fi_writedata: the peer's process (pid %d) exited", pe->pid);
+        free(b);
+        return -FI_ECONNRESET;
+    }
     b->remaining = n;
     touch(e);
     b->next = e->live.next; b->prev = &e->live; e->live.next->prev = b; e->live.next = b;
@@ -516,7 +815,11 @@ static int post_locked(shim_ep *e, struct shim_batch *b, size_t n, const uint64_
         op->b = b; op->kind = OP_WRITE;
         int64_t stalled_since = 0;
         while (!ret) {
-            ssize_t r = fi_writedata(e->ep, (char *)s->buf + src_off[i], len[i], s->desc,
+            /* Abandoned (the peer was lost) while we backed off: its lock is not watched any
+             * more, so do not go in. The peer's region lock held: shm would wait for it inside
+             * fi_writedata (for good, if its holder died): wait here instead, as for a full queue. */
+            ssize_t r = b->abandoned ? -FI_EAGAIN : peer_busy(pe) ? -FI_EAGAIN
+                      : fi_writedata(e->ep, (char *)s->buf + src_off[i], len[i], s->desc,
                                      imm, b->peer, raddr[i], rkey[i], &op->ctx);
             if (r == 0) break;
             /* A queue that stays full means the peer stopped answering: give up when
@@ -530,19 +833,34 @@ static int post_locked(shim_ep *e, struct shim_batch *b, size_t n, const uint64_
                 ret = (int)r;
                 break;
             }
-            if (drain(e) == 0) {  /* queue full and nothing completed: let the peer run */
+            if (drain(e) == 0) {  /* queue full (or lock held) and nothing completed: let the peer run */
+                if (peer_exited(pe, 0)) {
+                    ret = -FI_ECONNRESET;
+                    if (err && errlen)
+                        snprintf(err, errlen, "fi_writedata: the peer's process (pid %d) exited", pe->pid);
+                    break;
+                }
                 if (!stalled_since) stalled_since = now_ns();
-                pthread_mutex_unlock(&e->lock); idle_wait(e); pthread_mutex_lock(&e->lock);
+                pthread_mutex_unlock(&e->lock);
+                idle_wait(e);
+                if (lock_bounded(e, ENTER_MAX_NS)) { *held = 0; return stuck_err(e, err, errlen); }
                 /* close() waits for us (we are counted in `users`), but must not wait
                  * out POST_STALL_NS: stop posting and let it proceed. */
-                if (e->closing) {
+                if (closing(e)) {
                     ret = -FI_ECANCELED;
                     set_err(err, errlen, "fi_writedata: endpoint closed while the queue was full", ret);
+                }
+                else if (__atomic_load_n(&e->stuck, __ATOMIC_ACQUIRE)) {
+                    ret = stuck_err(e, err, errlen);
                 }
                 /* a region deregistered while we were unlocked must not be read from */
                 else if (!(s = mr_lookup(e, mr[i]))) {
                     ret = -FI_EINVAL;
                     set_err(err, errlen, "shim_post: source region was deregistered", ret);
+                }
+                else if (pe && !(pe = peer_find(&e->postable, b->peer))) {  /* moved, or dropped */
+                    ret = -FI_ECONNRESET;
+                    set_err(err, errlen, "fi_writedata (peer lost while the queue was full)", ret);
                 }
             } else {
                 stalled_since = 0;
@@ -572,7 +890,7 @@ int shim_post(shim_ep *e, uint64_t batch_id, uint64_t peer, size_t n,
     if (!b) { set_err(err, errlen, "alloc", -FI_ENOMEM); return -FI_ENOMEM; }
     int ret = enter(e, err, errlen);
     if (ret) { free(b); return ret; }
-    if (!set_has(&e->postable, peer)) {
+    if (!peer_find(&e->postable, peer)) {
         /* Lost between Python's check and here, or an address of another endpoint (ours was
          * replaced after the caller read it; shm answers -FI_EAGAIN for a peer it cannot
          * map, so posting would stall, not fail): post nothing. */
@@ -582,9 +900,10 @@ int shim_post(shim_ep *e, uint64_t batch_id, uint64_t peer, size_t n,
                 -FI_EADDRNOTAVAIL);
         return -FI_EADDRNOTAVAIL;
     }
-    ret = n ? post_locked(e, b, n, mr, src_off, raddr, rkey, len, imm, err, errlen) : 0;
+    int held = 1;
+    ret = n ? post_locked(e, b, n, mr, src_off, raddr, rkey, len, imm, &held, err, errlen) : 0;
     if (n == 0) { b->next = e->done_head; e->done_head = b; }
-    leave(e);
+    if (held) leave(e);
     return ret;
 }
 
@@ -612,6 +931,13 @@ static int collect(shim_ep *e, shim_event *ev, int cap) {
         v->kind = 4; v->tag = t->tag; v->status = t->status;
         memcpy(v->msg, t->msg, sizeof v->msg);
     }
+    if (k < cap && e->stuck_event == 1) {
+        shim_event *v = &ev[k++];
+        memset(v, 0, sizeof *v);
+        v->kind = 5; v->status = SHIM_ESTUCK;
+        snprintf(v->msg, sizeof v->msg, "%s", e->stuck_msg);
+        e->stuck_event = 2;
+    }
     if (k < cap && e->async_status) {
         shim_event *v = &ev[k++];
         memset(v, 0, sizeof *v);
@@ -625,7 +951,7 @@ static int collect(shim_ep *e, shim_event *ev, int cap) {
 int shim_poll(shim_ep *e, shim_event *ev, int cap, int timeout_us) {
     int64_t end = now_ns() + (int64_t)timeout_us * 1000;
     for (;;) {
-        if (enter(e, NULL, 0)) return -FI_ESHUTDOWN;
+        if (enter_poller(e)) return -FI_ESHUTDOWN;
         int got = drain(e);
         int k = collect(e, ev, cap);
         leave(e);
@@ -635,10 +961,16 @@ int shim_poll(shim_ep *e, shim_event *ev, int cap, int timeout_us) {
     }
 }
 
+/* Entry points that answer a count: -SHIM_ESTUCK when stuck, 0 when closed. */
+static int enter_count(shim_ep *e) {
+    int ret = enter(e, NULL, 0);
+    return ret == -SHIM_ESTUCK ? ret : ret ? 1 : 0;
+}
+
 int shim_abandon_peer(shim_ep *e, uint64_t peer) {
-    int k = 0;
-    if (enter(e, NULL, 0)) return 0;
-    set_del(&e->postable, peer);
+    int k = 0, ret = enter_count(e);
+    if (ret) return ret < 0 ? ret : 0;
+    peer_del(&e->postable, peer);
     /* Count batches abandoned earlier (expired) too: their writes are still the provider's,
      * and shm touches the peer's region when their responses come, so the address must
      * stay in the AV (and, the peer being gone, they block later responses) just the same. */
@@ -649,8 +981,8 @@ int shim_abandon_peer(shim_ep *e, uint64_t peer) {
 }
 
 int shim_abandon_batch(shim_ep *e, uint64_t batch_id) {
-    int k = 0;
-    if (enter(e, NULL, 0)) return 0;
+    int k = 0, ret = enter_count(e);
+    if (ret) return ret < 0 ? ret : 0;
     /* Its writes still belong to the provider (their contexts live in the batch), so it
      * cannot be freed now: mark it to be freed, unreported, when the last one completes. */
     for (struct shim_batch *b = e->live.next; b != &e->live; b = b->next)
@@ -661,9 +993,18 @@ int shim_abandon_batch(shim_ep *e, uint64_t batch_id) {
     return k;
 }
 
+int shim_check(shim_ep *e) {
+    if (__atomic_load_n(&e->stuck, __ATOMIC_ACQUIRE)) return -SHIM_ESTUCK;
+    if (closing(e) || __atomic_load_n(&e->slow, __ATOMIC_RELAXED)) return 0;
+    if (pthread_mutex_trylock(&e->lock) == 0) { pthread_mutex_unlock(&e->lock); return 0; }
+    if (now_ns() - __atomic_load_n(&e->held_since, __ATOMIC_RELAXED) < STUCK_NS) return 0;
+    declare_stuck(e, STUCK_INSIDE);
+    return -SHIM_ESTUCK;
+}
+
 int shim_live_batches(shim_ep *e) {
-    int k = 0;
-    if (enter(e, NULL, 0)) return 0;
+    int k = 0, ret = enter_count(e);
+    if (ret) return ret < 0 ? ret : 0;
     for (struct shim_batch *b = e->live.next; b != &e->live; b = b->next) k++;
     for (struct shim_batch *b = e->done_head; b; b = b->next) k++;
     leave(e);
@@ -682,10 +1023,15 @@ int64_t shim_bench(shim_ep *e, uint64_t peer, size_t n, const uint64_t *mr,
         b->internal = 1;  /* never reported to Python; freed here */
         int ret = enter(e, err, errlen);
         if (ret) { free(b); return ret; }
-        ret = post_locked(e, b, n, mr, src_off, raddr, rkey, len, imm, err, errlen);
-        if (ret) { leave(e); return ret; }
-        while (b->remaining && !e->closing) {
-            if (drain(e) == 0) { pthread_mutex_unlock(&e->lock); idle_wait(e); pthread_mutex_lock(&e->lock); }
+        int held = 1;
+        ret = post_locked(e, b, n, mr, src_off, raddr, rkey, len, imm, &held, err, errlen);
+        if (ret) { if (held) leave(e); return ret; }
+        while (b->remaining && !closing(e)) {
+            if (drain(e) == 0) {
+                pthread_mutex_unlock(&e->lock);
+                idle_wait(e);
+                if (lock_bounded(e, ENTER_MAX_NS)) return stuck_err(e, err, errlen);  /* b: given up with e */
+            }
         }
         if (b->remaining) {  /* closing: the provider still owns its ops; close frees it */
             b->internal = 0; b->abandoned = 1;
@@ -717,21 +1063,30 @@ static void close_fids(shim_ep *e) {
     while (e->live.next != &e->live) { struct shim_batch *b = e->live.next; list_del(b); free(b); }
     while (e->done_head) { struct shim_batch *b = e->done_head; e->done_head = b->next; free(b); }
     e->n_imms = 0; e->n_tag_errs = 0; e->async_status = 0;
+    for (size_t i = 0; i < e->postable.n; i++) unguard(&e->postable.v[i]);
+    if (e->own_map) munmap(e->own_map, e->own_maplen);
+    e->own_map = NULL; e->own_lock = NULL;
 }
 
-void shim_close(shim_ep *e) {
-    if (!e) return;
-    pthread_mutex_lock(&e->lock);
-    if (e->closing) { pthread_mutex_unlock(&e->lock); return; }
-    e->closing = 1;   /* refuse new callers; those inside notice it and leave */
-    while (e->users) pthread_cond_wait(&e->idle, &e->lock);
-    close_fids(e);
-    e->closed = 1;
+int shim_close(shim_ep *e) {
+    if (!e) return 0;
+    /* refuse new callers, even while a stuck one holds the mutex; those inside notice it and leave */
+    __atomic_store_n(&e->closing, 1, __ATOMIC_SEQ_CST);
+    int ret = lock_bounded(e, STUCK_NS);
+    if (ret) return ret;
+    int64_t end = now_ns() + STUCK_NS;
+    struct timespec ts = { end / 1000000000LL, end % 1000000000LL };
+    while (e->users && now_ns() < end) pthread_cond_clockwait(&e->idle, &e->lock, CLOCK_MONOTONIC, &ts);
+    if (e->users) {  /* one gave up on the mutex (stuck) without leaving, or never comes back */
+        pthread_mutex_unlock(&e->lock);
+        return -SHIM_ESTUCK;
+    }
+    if (!e->closed) { close_fids(e); e->closed = 1; }
     pthread_mutex_unlock(&e->lock);
+    return 0;
 }
 
 void shim_free(shim_ep *e) {
     if (!e) return;
-    shim_close(e);
-    destroy(e);
+    if (shim_close(e) == 0) destroy(e);  /* else a thread is (stuck) inside: leak it */
 }

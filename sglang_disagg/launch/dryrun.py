@@ -1,0 +1,92 @@
+"""``--dry-run``: what the launcher would start, printed, with nothing started, probed or
+written (no log directory, no secret file, no model generated, no port checked).
+
+For each process: its name, the GPUs it gets (``--device cuda``), the environment
+variables the launcher sets for it (not the rest of the environment, which it inherits)
+and its command line, one shell word each quoted. Works on any machine: with ``--gpus N``
+no GPU is looked for; without it the GPUs visible here are counted, and where there are
+none the plan is made for the fewest GPUs the TP sizes need, and says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+import tempfile
+from pathlib import Path
+
+from sglang_disagg.launch.commands import ProcessSpec, router_spec, server_spec
+from sglang_disagg.launch.config import LaunchConfig, Mode, Role
+from sglang_disagg.launch.preflight import visible_gpus
+from sglang_disagg.models import is_builtin
+
+
+def _model_path(cfg: LaunchConfig) -> str:
+    """The directory the servers would load, without generating or converting a built-in model."""
+    from sglang_disagg.env import models_dir
+    from sglang_disagg.models import BUILTIN_MODELS, REAL_MODELS
+
+    if cfg.model in BUILTIN_MODELS:
+        return str(models_dir() / BUILTIN_MODELS[cfg.model].dirname)
+    if cfg.model in REAL_MODELS:  # named by its content's hash: the converted copy here, if any (not re-hashed)
+        found = sorted(d for d in models_dir().glob(f"{cfg.model}-*") if len(d.name) == len(cfg.model) + 13)
+        return str(found[0]) if found else str(models_dir() / f"{cfg.model}-<hash>")
+    return cfg.model
+
+
+def _gpu_count(cfg: LaunchConfig) -> tuple[LaunchConfig, str]:
+    if cfg.device != "cuda" or cfg.role is Role.ROUTER or cfg.gpus is not None:
+        return cfg, f"{cfg.gpus} GPU(s) (--gpus)" if cfg.gpus is not None else ""
+    seen = visible_gpus()
+    if seen:
+        return dataclasses.replace(cfg, gpus=seen), f"{seen} GPU(s) (visible here)"
+    tps = {Role.ALL: cfg.prefill_tp + cfg.decode_tp, Role.DECODE: cfg.decode_tp}.get(cfg.role, cfg.prefill_tp)
+    need = max([tps] + [g + 1 for g in cfg.prefill_gpus + cfg.decode_gpus])
+    return (dataclasses.replace(cfg, gpus=need),
+            f"{need} GPU(s) assumed: none visible here; --gpus N plans for a machine with N")
+
+
+def _describe(spec: ProcessSpec) -> list[str]:
+    ports = ", ".join(f"{port} ({what})" for what, port in spec.ports)
+    lines = [f"# {spec.name}" + (f": ports {ports}" if ports else "")]
+    if spec.cpus:
+        lines.append(f"#   pinned to cores {','.join(map(str, spec.cpus))}")
+    lines.append("environment (set by the launcher; the rest is inherited):")
+    lines += [f"  {k}={shlex.quote(v)}" for k, v in spec.env]
+    lines.append("command:")
+    lines.append("  " + shlex.join(spec.argv))
+    return lines
+
+
+def render(cfg: LaunchConfig) -> str:
+    """The dry run's text. Raises ValueError as the launcher would for a bad configuration."""
+    cfg, gpus = _gpu_count(cfg)
+    log_dir = Path(cfg.log_dir) if cfg.log_dir else Path(tempfile.gettempdir()) / f"sglang-disagg-{cfg.role.value}-XXXXXXXX"
+    if cfg.role is Role.ALL and cfg.mode is Mode.MESSENGER and not cfg.secret_file:
+        cfg = dataclasses.replace(cfg, secret_file=str(log_dir / "secret"))  # made at start, mode 0600
+    header = [f"# dry run: --role {cfg.role.value}, {cfg.describe_transfer()}, device {cfg.device}"
+              + (f", {gpus}" if gpus else "") + "; nothing is started",
+              f"# log dir: {log_dir}" + ("" if cfg.log_dir else " (a new temporary directory at start)")]
+    specs: list[ProcessSpec] = []
+    if cfg.role is not Role.ROUTER:
+        model = _model_path(cfg)
+        if not is_builtin(cfg.model) and Path(model).is_dir():
+            from sglang_disagg.launch.stack import _check_sharding
+
+            _check_sharding(cfg, Path(model))
+        roles = [Role.PREFILL, Role.DECODE] if cfg.role is Role.ALL else [cfg.role]
+        specs = [server_spec(cfg, r, model, is_builtin(cfg.model), log_dir) for r in roles]
+        if cfg.device == "cuda":
+            plan = cfg.gpu_plan()
+            for r in roles:
+                placed = plan.decode if r is Role.DECODE else plan.prefill
+                header.append(f"# {r.value}: {placed.describe()}")
+            if len(roles) > 1 and plan.shared:
+                header.append(f"# GPU(s) {','.join(map(str, plan.shared))} shared: decode starts once prefill is "
+                              f"healthy (each sizes its KV pool from the memory free when it starts)")
+    if cfg.role in (Role.ALL, Role.ROUTER):
+        specs.append(router_spec(cfg))
+    out = header
+    for spec in specs:
+        out += [""] + _describe(spec)
+    return "\n".join(out) + "\n"
