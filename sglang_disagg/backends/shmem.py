@@ -7,7 +7,12 @@ so), the writer can map it and copy with memcpy. Same contract as every backend:
 
 - regions: ``register`` finds the file behind the range (sglang_disagg.shm.locate); the
   descriptor names it, its device and inode and what it links to, all checked before the
-  writer maps it; a peer on another host is refused at handshake (boot id). Memory that is not shared is refused with a DescriptorError.
+  writer maps it. Memory that is not shared is refused with a DescriptorError.
+- same host: decided at first contact by whether the peer's memory can be reached (reach.py:
+  each side maps a probe memfd the other names in its HELLO and reads its bytes back), not
+  by boot_id alone, which namespaces share; a peer elsewhere is refused with "not on this
+  host" and why. A peer with another /dev/shm (mount namespace) may still be reached
+  through its memfds; its /dev/shm-backed regions are refused when it names them.
 - immediates: after a batch's copies the writer sends NOTIFY(tag, count) on the control
   channel; the data is in the receiver's memory before the notification is read.
 - failures: peer loss comes from the control channel, as for every backend.
@@ -17,16 +22,23 @@ so), the writer can map it and copy with memcpy. Same contract as every backend:
 from __future__ import annotations
 
 import ctypes
+import os
 import queue
 import threading
 from collections.abc import Sequence
 from typing import Any
 
 from .. import shm
+from . import reach
 from .base import TransferBackend
 from .errors import BackendUnavailable, DescriptorError, TransferError, UnsupportedMemory
 from .peers import Peer
 from .regions import Memory, MemoryKind, MemoryRegion, NativeRegistration, PageWrite, RegionDescriptor, RemoteRegion
+
+
+def _shm_dir() -> list[int]:
+    st = os.stat("/dev/shm")
+    return [st.st_dev, st.st_ino]
 
 
 def _boot_id() -> str:
@@ -53,6 +65,9 @@ class ShmemBackend(TransferBackend):
 
     def _native_open(self) -> None:
         self._host = _boot_id()
+        self._probe = reach.Probe()
+        self._shm_dir = _shm_dir() if os.path.isdir("/dev/shm") else None
+        self._foreign_shm: set[str] = set()  # peers (ids) whose /dev/shm is not ours
         self._maps: dict[tuple, shm.Mapping] = {}  # (peer id, region id, what it names) -> mapping
         self._maps_lock = threading.Lock()
         self._jobs: queue.Queue = queue.Queue()
@@ -60,11 +75,16 @@ class ShmemBackend(TransferBackend):
         self._worker.start()
 
     def _endpoint_info(self) -> dict[str, Any]:
-        return {"boot_id": self._host}
+        return {"boot_id": self._host, "probe": self._probe.info, "shm_dir": self._shm_dir}
 
     def _native_connect(self, peer: Peer) -> None:
-        if peer.endpoint.get("boot_id") != self._host:
-            raise TransferError("shmem peers must share a host (boot ids differ); use libfabric tcp across hosts")
+        e = peer.endpoint
+        if e.get("boot_id") != self._host:
+            raise TransferError(f"shmem: peer {peer.address} {reach.NOT_HERE}: its kernel's boot id differs from "
+                                "ours; between hosts use libfabric tcp, nixl or mooncake")
+        reach.check("shmem", peer.address, e.get("probe"))
+        if e.get("shm_dir") != self._shm_dir:
+            self._foreign_shm.add(peer.id)
         peer.native = peer.id
 
     def _native_disconnect(self, peer: Peer) -> None:
@@ -96,6 +116,9 @@ class ShmemBackend(TransferBackend):
         if not all(isinstance(extra.get(k), str) for k in ("path", "target")) or not all(
                 isinstance(extra.get(k), int) and not isinstance(extra.get(k), bool) for k in ("offset", "inode", "dev")):
             raise DescriptorError("shmem descriptor lacks path/offset/inode/dev/target")
+        if peer.id in self._foreign_shm and extra["path"].startswith("/dev/shm/"):
+            raise DescriptorError(f"shmem: peer {peer.address} names {extra['path']}, but its /dev/shm is not ours "
+                                  "(another mount namespace): only its memfds can be reached from here")
 
     def _mapping(self, dst: RemoteRegion) -> shm.Mapping:
         """The peer's region mapped here, on first use."""
@@ -158,3 +181,4 @@ class ShmemBackend(TransferBackend):
             maps, self._maps = list(self._maps.values()), {}
         for m in maps:
             m.close()
+        self._probe.close()

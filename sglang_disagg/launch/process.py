@@ -39,7 +39,9 @@ class ManagedProcess:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.spec.port}"
+        # Where it listens: a server bound to a host's address (a deployment file) is not on loopback.
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+        return f"http://{host}:{self.spec.port}"
 
     @property
     def host(self) -> str:

@@ -33,6 +33,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+from .. import reach
 from ..base import TransferBackend
 from ..errors import BackendUnavailable, DescriptorError, PeerLostError, TransferError, UnsupportedMemory
 from ..peers import Peer
@@ -98,6 +99,9 @@ class LibfabricBackend(Healing, TransferBackend):
         self._fins: dict[int, weakref.finalize] = {}
         self._lock_off = -1  # where shm regions keep their spinlock (shmlocks.py), -1: not watched
         self._init_healing()
+        # shm writes straight into the peer's memory: a peer whose memory we cannot map is on
+        # another host, whatever its address says (reach.py); refused at first contact.
+        self._probe = reach.Probe() if self.provider == "shm" else None
         self._ep = self._open_endpoint()
         self._shim_closed = False
         self._ep_lock = threading.RLock()  # registration vs. replacing the endpoint
@@ -139,13 +143,16 @@ class LibfabricBackend(Healing, TransferBackend):
         self._poller.start()
 
     def _endpoint_info(self) -> dict[str, Any]:
-        return {"fi_addr": base64.b64encode(address_of(self._ep)).decode()}
+        info = {"fi_addr": base64.b64encode(address_of(self._ep)).decode()}
+        return info | ({"probe": self._probe.info} if self._probe is not None else {})
 
     def _native_connect(self, peer: Peer) -> None:
         try:
             raw = base64.b64decode(peer.endpoint["fi_addr"], validate=True)
         except (KeyError, ValueError) as e:
             raise TransferError(f"peer hello has no valid libfabric address: {e}") from e
+        if self._probe is not None:
+            reach.check("libfabric shm", peer.address, peer.endpoint.get("probe"))
         # The shim checks the address against our provider's format (length, terminator,
         # family) before fi_av_insert reads it: the hello comes from the network.
         out, err = ffi.new("uint64_t *"), _Errbuf()
@@ -356,6 +363,8 @@ class LibfabricBackend(Healing, TransferBackend):
 
     def _native_close(self) -> None:
         self._stop_watchdog()
+        if getattr(self, "_probe", None) is not None:
+            self._probe.close()
         with self._ep_lock:  # never while the endpoint is being replaced
             if self._shim_closed:
                 return

@@ -1,0 +1,157 @@
+"""A deployment file started across separate hosts (netns.py), one node per host, as an operator would.
+
+``Deployment.write(dir, net, ...)`` writes one TOML file naming each host's address and a shared
+secret file; ``start()`` runs ``python -m sglang_disagg.launch --config FILE --node NAME`` inside
+each node's host (prefill and decode groups together, then the router) and returns once each
+launcher said it is up, or raises NodeFailed with that node's output. ``close()`` stops every
+node (and ``Network.close()`` kills whatever a node left in its host).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .netns import Host, Network
+
+UP = re.compile(r"\[sglang-disagg\] up in ([0-9.]+)s")
+
+
+class NodeFailed(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which host runs what: one prefill group, one decode group, the router."""
+
+    prefill: str = "prefill"
+    decode: str = "decode"
+    router: str = "router"
+    prefill_tp: int = 1
+    decode_tp: int = 1
+
+    @property
+    def names(self) -> list[str]:
+        return [self.prefill, self.decode, self.router]
+
+
+@dataclass
+class Node:
+    name: str       # the deployment's node name ("prefill-0", "decode-0", "router")
+    host: Host
+    proc: subprocess.Popen
+    log: Path
+
+    def output(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no output)"
+
+    def wait_up(self, deadline: float) -> float:
+        """Seconds the launcher took to come up; NodeFailed if it exited or the deadline passed."""
+        while True:
+            m = UP.search(self.log.read_text(errors="replace")) if self.log.exists() else None
+            if m:
+                return float(m.group(1))
+            if self.proc.poll() is not None:
+                raise NodeFailed(f"{self.name} on {self.host.name} exited with {self.proc.returncode}:\n"
+                                 + self.output())
+            if time.monotonic() > deadline:
+                raise NodeFailed(f"{self.name} on {self.host.name} not up in time:\n" + self.output())
+            time.sleep(0.25)
+
+    def wait_exit(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        """SIGTERM to the launcher inside the host (nsenter's child), then SIGKILL to what is left."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(OSError):
+                for child in Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split():
+                    os.kill(int(child), signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+
+
+@dataclass
+class Deployment:
+    net: Network
+    layout: Layout
+    file: Path
+    root: Path
+    port: int
+    nodes: dict[str, Node] = field(default_factory=dict)
+
+    @classmethod
+    def write(cls, root: Path, net: Network, layout: Layout, *, model: str = "tiny-llama", backend: str,
+              provider: str | None = None, port: int = 30000, extra_args: tuple[str, ...] = (),
+              max_total_tokens: int = 4096) -> Deployment:
+        root.mkdir(parents=True, exist_ok=True)
+        secret = root / "secret"
+        secret.write_text(secrets.token_hex(32))
+        secret.chmod(0o600)
+        p, d, r = net[layout.prefill], net[layout.decode], net[layout.router]
+        lines = ["[deployment]", f'model = "{model}"', 'mode = "messenger"', f'backend = "{backend}"',
+                 f"port = {port}", f"max_total_tokens = {max_total_tokens}", f'secret_file = "{secret}"',
+                 "extra_args = [" + ", ".join(f'"{a}"' for a in extra_args) + "]"]
+        if provider:
+            lines.append(f'provider = "{provider}"')
+        lines += ["", "[[prefill]]", 'name = "prefill-0"', f'host = "{p.address}"', f"tp = {layout.prefill_tp}",
+                  "", "[[decode]]", 'name = "decode-0"', f'host = "{d.address}"', f"tp = {layout.decode_tp}",
+                  "", "[router]", f'host = "{r.address}"', ""]
+        file = root / "deployment.toml"
+        file.write_text("\n".join(lines))
+        return cls(net, layout, file, root, port)
+
+    @property
+    def url(self) -> str:
+        """The router's front door (reachable only from inside the network)."""
+        return f"http://{self.net[self.layout.router].address}:{self.port}"
+
+    def launch(self, node: str, host: str, *flags: str) -> Node:
+        """Start one node of the file inside `host` with the public launcher."""
+        log_dir = self.root / node
+        log_dir.mkdir(exist_ok=True)
+        argv = [sys.executable, "-m", "sglang_disagg.launch", "--config", str(self.file), "--node", node,
+                "--log-dir", str(log_dir), *flags]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_DISAGG_SECRET")}
+        n = Node(node, self.net[host], self.net[host].popen(argv, self.root / f"{node}.out", env), self.root /
+                 f"{node}.out")
+        self.nodes[node] = n
+        return n
+
+    def start(self, timeout_s: float = 300.0) -> dict[str, float]:
+        """Prefill and decode together, then the router; seconds each took to come up."""
+        deadline = time.monotonic() + timeout_s
+        lay = self.layout
+        servers = [self.launch("prefill-0", lay.prefill), self.launch("decode-0", lay.decode)]
+        try:
+            ups = {n.name: n.wait_up(deadline) for n in servers}
+            ups["router"] = self.launch("router", lay.router).wait_up(deadline)
+        except BaseException:
+            self.close()
+            raise
+        return ups
+
+    def messenger_stats(self, node: str, role: str) -> dict:
+        import json
+
+        return json.loads((self.root / node / f"{role}.messenger.json").read_text())
+
+    def close(self) -> None:
+        for n in reversed(list(self.nodes.values())):
+            n.stop()
+        self.nodes = {}

@@ -1,0 +1,82 @@
+"""Separate hosts for the tests: namespaces (sglang_disagg/hosts/netns.py) and deployments
+started in them with the public launcher (sglang_disagg/hosts/deployment.py).
+
+Needs root (namespaces, a tmpfs on /dev/shm, veth links). Where they cannot be made the
+tests fail with the reason under CI=true and skip with it elsewhere. The session first
+sweeps what a run killed outright left behind, and checks at its end that no keeper
+(hence no namespace, link or process of these hosts) is left.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from e2e.conftest import COMMON_ARGS, OUTPUT_TOKENS, StackSpec, prompts_for, run_sequential, start_stack
+from sglang_disagg.hosts import netns
+from sglang_disagg.hosts.deployment import Deployment, Layout
+from sglang_disagg.launch import Role
+from sglang_disagg.launch.config import Ports
+
+CLIENT = Path(__file__).with_name("client.py")
+_runs = itertools.count()
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+@pytest.fixture(scope="session")
+def hosts_possible():
+    reason = netns.can_create()
+    if reason:
+        if in_ci():
+            pytest.fail(f"multi-host tests need namespaces, and CI must run them: {reason}")
+        pytest.skip(reason)
+    left = netns.sweep()
+    if left:
+        print(f"swept {left} keeper process(es) an earlier run left", file=sys.stderr)
+    yield
+    stale = netns.keepers()
+    netns.sweep(stale)
+    assert not stale, f"keepers left after the multi-host tests (namespaces not cleaned up): {stale}"
+
+
+@pytest.fixture
+def network(hosts_possible, request):
+    """Three hosts: prefill (10.77.0.1), decode (.2), router (.3); gone after the test, failed or not."""
+    names = getattr(request, "param", Layout().names)
+    net = netns.Network.create(f"t{next(_runs)}", names)
+    yield net
+    net.close()
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """Prompts and their colocated greedy outputs (tiny-llama, the e2e tests' flags)."""
+    prompts = prompts_for("tiny-llama")
+    stack = start_stack(tmp_path_factory.mktemp("hosts-ref"), StackSpec(role=Role.COLOCATED))
+    try:
+        return prompts, run_sequential(stack.url, prompts)
+    finally:
+        stack.stop()
+
+
+def ask(dep: Deployment, prompts: list[list[int]], from_host: str | None = None) -> dict:
+    """Send `prompts` to the router from inside a host; the decoder's KV byte counter before and after."""
+    job = dep.root / f"job-{next(_runs)}.json"
+    metrics = f"http://{dep.net[dep.layout.decode].address}:{Ports(dep.port).decode_metrics}/metrics"
+    job.write_text(json.dumps({"url": dep.url, "prompts": prompts, "max_new_tokens": OUTPUT_TOKENS,
+                               "metrics": metrics}))
+    r = dep.net[from_host or dep.layout.router].run([sys.executable, str(CLIENT), str(job)], timeout=300)
+    assert r.returncode == 0, f"client failed ({r.returncode}):\n{r.stderr[-3000:]}"
+    return json.loads(r.stdout)
+
+
+def deployment(tmp_path: Path, net: netns.Network, layout: Layout = Layout(), **kw) -> Deployment:
+    return Deployment.write(tmp_path / "deployment", net, layout, extra_args=COMMON_ARGS, **kw)
