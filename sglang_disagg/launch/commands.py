@@ -161,8 +161,10 @@ def _env(cfg: LaunchConfig, role: Role, tp: int, extra: dict[str, str] | None = 
     if cfg.host not in ("0.0.0.0", "::"):
         # Bootstrap and transfer engines advertise this address to peers.
         env["SGLANG_HOST_IP"] = cfg.host
-    if not cfg.host.startswith("127.") and cfg.host != "localhost":
-        env.pop("UCX_NET_DEVICES", None)  # off loopback UCX must reach peers on the host's interface
+    if cfg.device == "cpu" and not cfg.host.startswith("127.") and cfg.host != "localhost":
+        # Off loopback UCX must reach peers on the host's interfaces: said explicitly, since a
+        # UCX_NET_DEVICES=lo inherited from the caller's environment would win over its absence.
+        env["UCX_NET_DEVICES"] = "all"
     if cfg.device == "cpu":
         env.update(_threads_env(cfg, role, tp))
         # Forked, a server's scheduler and detokenizer skip importing torch and SGLang again

@@ -18,9 +18,12 @@ pytestmark = [pytest.mark.backend,
               pytest.mark.skipif(not available("libfabric")[0], reason="libfabric shim not built")]
 
 
-def _fake_peer(raw: bytes) -> types.SimpleNamespace:
-    return types.SimpleNamespace(endpoint={"fi_addr": base64.b64encode(raw).decode()}, address="hostile:1",
-                                 native=None)
+def _fake_peer(raw: bytes, be=None) -> types.SimpleNamespace:
+    """A peer's HELLO endpoint with address `raw`; shm's same-host probe is the backend's own
+    (a real process of this host), so only the address is hostile."""
+    endpoint = dict(be._endpoint_info()) if be is not None else {}
+    endpoint["fi_addr"] = base64.b64encode(raw).decode()
+    return types.SimpleNamespace(endpoint=endpoint, address="hostile:1", native=None)
 
 
 @pytest.mark.parametrize("provider", ["shm", "tcp"])
@@ -35,8 +38,8 @@ def test_hostile_peer_address_refused(provider: str) -> None:
             bad = [own[:8], own + bytes(8), b"\xff\xff" + own[2:], v6[:16], b""]
         for raw in bad:
             with pytest.raises(TransferError, match="peer address|no valid"):
-                be._native_connect(_fake_peer(raw))
-        peer = _fake_peer(own)  # a well-formed address still goes in
+                be._native_connect(_fake_peer(raw, be))
+        peer = _fake_peer(own, be)  # a well-formed address still goes in
         be._native_connect(peer)
         assert peer.native is not None
     finally:
