@@ -46,6 +46,7 @@ from typing import Any
 
 from .. import cuda_driver as cu
 from .. import cumem, fdpass
+from . import reach
 from .base import TransferBackend
 from .errors import BackendUnavailable, DescriptorError, PeerLostError, TransferError, UnsupportedMemory
 from .peers import Peer
@@ -55,13 +56,6 @@ logger = logging.getLogger("sglang_disagg.backends.cudaipc")
 REQUEST, GRANT, REFUSE = "cudaipc-request", "cudaipc-grant", "cudaipc-refuse"
 _FIELDS = ("alloc", "size", "offset", "device")
 
-
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError as e:
-        raise BackendUnavailable(f"cudaipc needs Linux /proc: {e}") from e
 
 
 def _probe() -> None:
@@ -85,7 +79,7 @@ class CudaIpcBackend(TransferBackend):
     def availability(cls) -> tuple[bool, str]:
         try:
             _probe()
-            _boot_id()
+            reach.boot_id("cudaipc")
         except BackendUnavailable as e:
             return False, str(e)
         return True, "same-host peers, CUDA device memory (cuMem allocations, descriptors over SCM_RIGHTS)"
@@ -95,7 +89,7 @@ class CudaIpcBackend(TransferBackend):
 
     def _native_open(self) -> None:
         _probe()
-        self._host = _boot_id()
+        self._host = reach.boot_id("cudaipc")
         self._device: int | None = None      # the copy device, fixed by the first CUDA region
         self._stream: cu.Stream | None = None
         self._served: dict[int, list[int]] = {}  # our allocation key -> [regions on it, size, device]

@@ -22,10 +22,20 @@ import secrets
 from typing import Any
 
 from .. import shm
-from .errors import TransferError
+from .errors import BackendUnavailable, TransferError
 
 NOT_HERE = "is not on this host"  # in every such refusal (tests and operators look for it)
 PROBE_BYTES = 16
+
+
+def boot_id(backend: str) -> str:
+    """This kernel's boot id: a first, cheap same-host filter (namespaces share it, so the
+    probe below decides)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError as e:
+        raise BackendUnavailable(f"{backend} needs Linux /proc: {e}") from e
 
 
 class Probe:

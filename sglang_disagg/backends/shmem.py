@@ -41,13 +41,6 @@ def _shm_dir() -> list[int]:
     return [st.st_dev, st.st_ino]
 
 
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError as e:
-        raise BackendUnavailable(f"shmem needs Linux /proc: {e}") from e
-
 
 class ShmemBackend(TransferBackend):
     name = "shmem"
@@ -55,7 +48,7 @@ class ShmemBackend(TransferBackend):
     @classmethod
     def availability(cls) -> tuple[bool, str]:
         try:
-            _boot_id()
+            reach.boot_id("shmem")
         except BackendUnavailable as e:
             return False, str(e)
         return True, "same-host peers, shared memory (memfd / /dev/shm)"
@@ -64,7 +57,7 @@ class ShmemBackend(TransferBackend):
         return "memfd"
 
     def _native_open(self) -> None:
-        self._host = _boot_id()
+        self._host = reach.boot_id("shmem")
         self._probe = reach.Probe()
         self._shm_dir = _shm_dir() if os.path.isdir("/dev/shm") else None
         self._foreign_shm: set[str] = set()  # peers (ids) whose /dev/shm is not ours
