@@ -42,8 +42,9 @@ if [ -f "$DEPS_STAMP" ] || [ -f "$DEVICE_FILE" ]; then
   fi
 fi
 
-# 1. Debian packages: libfabric (our backend), ibverbs + numa (Mooncake's engine loads them).
-APT_PKGS=(libfabric-dev libfabric-bin libibverbs1 libnuma1)
+# 1. Debian packages: libfabric (our backend), ibverbs + numa (Mooncake's engine loads them),
+#    iproute2 + util-linux (ip, tc, ss, unshare, nsenter: the multi-host tests' namespaces).
+APT_PKGS=(libfabric-dev libfabric-bin libibverbs1 libnuma1 iproute2 util-linux)
 missing=()
 for p in "${APT_PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

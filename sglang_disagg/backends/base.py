@@ -35,6 +35,7 @@ channel and the peers (through the callbacks given to its PeerTable).
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 import uuid
@@ -51,6 +52,8 @@ from .peers import Peer, PeerTable
 from .regions import (DESCRIPTOR_VERSION, HOST, Memory, MemoryKind, MemoryRegion, NativeRegistration, PageWrite, PeerState,
                       RegionDescriptor, RemoteRegion)
 from .validate import check_uniform, check_write
+
+log = logging.getLogger("sglang_disagg.backends")
 
 __all__ = ["BackendConfig", "MemoryRegion", "PageWrite", "Peer", "PeerState", "RegionDescriptor",
            "RemoteRegion", "TransferBackend", "TransferFuture"]
@@ -73,6 +76,7 @@ class TransferBackend(ABC):
 
     def __init__(self, config: BackendConfig | None = None) -> None:
         self.config = config or BackendConfig()
+        self._forged_dropped = 0
         self.instance = uuid.uuid4().hex
         self.provider = self._provider_label()
         self._lock = threading.Lock()
@@ -324,12 +328,20 @@ class TransferBackend(ABC):
     def recv(self, timeout_s: float) -> tuple[Peer, bytes]:
         return self._table.recv(timeout_s)
 
+    def _forged(self, why: Exception) -> None:
+        """A completion notice that no peer of ours can have sent (it lacks the secret's MAC):
+        dropped, counted, logged (the first and then every 100th: a flood must not flood the log)."""
+        self._forged_dropped += 1
+        if self._forged_dropped % 100 == 1:
+            log.warning("%s: %s (%d so far)", self.name, why, self._forged_dropped)
+
     def stats(self) -> dict[str, int]:
         peers = len(self._table.all())
         with self._lock:
             base = {"peers": peers, "batches": len(self._batches), "regions": len(self._regions)}
         return base | {"expectations": self._tracker.pending(),
-                       "late_writes_dropped": self._tracker.late_writes_dropped} | self._native_stats()
+                       "late_writes_dropped": self._tracker.late_writes_dropped,
+                       "forged_notifications_dropped": self._forged_dropped} | self._native_stats()
 
     def close(self) -> None:
         if self._closed:

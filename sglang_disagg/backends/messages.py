@@ -1,7 +1,11 @@
 """The payloads of the control channel's HELLO and NOTIFY frames, checked field by field.
 
 Also the text of the notifications NIXL and Mooncake deliver with a batch (our stand-in for
-immediate data on those transports): ``sgd1 <tag> <count>``.
+immediate data on those transports): ``sgd2 <tag> <count> <mac>``. Their transports take
+notifications from anyone who reaches the port (measured from a host outside the deployment:
+a forged one was credited), so each carries an HMAC-SHA256 of tag and count under the
+deployment's secret; one without a valid MAC is dropped (ForgedNotification), never
+credited, and never blamed on the peer it names (the name is the sender's to choose).
 
 A HELLO carries the control protocol's version, the backend and provider, the sender's
 instance id, its control address and the backend's endpoint info (or, in reply, a refusal
@@ -12,6 +16,8 @@ TransferError naming the field, and the connection that sent it is closed.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 from typing import Any
 
@@ -59,23 +65,35 @@ def parse_notify(payload: bytes) -> tuple[int, int]:
     return tag, count
 
 
-NOTIF_PREFIX = "sgd1 "
+NOTIF_PREFIX = "sgd2 "
 
 
-def notif_text(tag: int, count: int) -> str:
-    return f"{NOTIF_PREFIX}{tag} {count}"
+class ForgedNotification(ValueError):
+    """A notification in our format without the deployment secret's MAC."""
 
 
-def parse_notif(msg: str | bytes) -> tuple[int, int] | None:
+def _mac(key: bytes, tag: int, count: int) -> str:
+    return hmac.new(key, f"notif {tag} {count}".encode(), hashlib.sha256).hexdigest()[:32]
+
+
+def notif_text(tag: int, count: int, key: bytes | None) -> str:
+    """`key`: the deployment's secret (None: both ends run without one)."""
+    return f"{NOTIF_PREFIX}{tag} {count} {_mac(key, tag, count) if key else '-'}"
+
+
+def parse_notif(msg: str | bytes, key: bytes | None) -> tuple[int, int] | None:
     """(tag, count) of one of our batch notifications; None for a message that is not ours.
-    Raises ValueError for one that claims to be ours but is malformed."""
+    Raises ForgedNotification for one whose MAC is not the secret's, ValueError for one that
+    claims to be ours but is malformed."""
     text = msg.decode("utf-8", errors="replace") if isinstance(msg, bytes) else msg
     if not text.startswith(NOTIF_PREFIX):
         return None
     fields = text[len(NOTIF_PREFIX):].split()
-    if len(fields) != 2:
-        raise ValueError(f"notification {text[:64]!r}: expected 'sgd1 <tag> <count>'")
+    if len(fields) != 3:
+        raise ValueError(f"notification {text[:64]!r}: expected 'sgd2 <tag> <count> <mac>'")
     tag, count = int(fields[0]), int(fields[1])
     if not 0 <= tag < 2**32 or count < 0:
         raise ValueError(f"notification {text[:64]!r}: tag or count out of range")
+    if key is not None and not hmac.compare_digest(fields[2], _mac(key, tag, count)):
+        raise ForgedNotification(f"notification for tag {tag} without the deployment secret's MAC: dropped")
     return tag, count

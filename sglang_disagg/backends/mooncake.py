@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .base import TransferBackend
-from .messages import notif_text, parse_notif
+from .messages import ForgedNotification, notif_text, parse_notif
 from .errors import BackendUnavailable, DescriptorError, TransferError, UnsupportedMemory
 from .peers import Peer
 from .regions import Memory, MemoryKind, NativeRegistration, PageWrite, RegionDescriptor
@@ -185,7 +185,7 @@ class MooncakeBackend(TransferBackend):
                   [w.length for w in part]) for part in split(writes)]
         q = self._queue_for(peer)
         self._inflight[batch_id] = peer.id
-        q.put((batch_id, peer, parts, notif_text(imm, len(writes))))
+        q.put((batch_id, peer, parts, notif_text(imm, len(writes), self.config.secret)))
 
     def _work_loop(self, jobs: queue.Queue) -> None:
         while True:
@@ -246,10 +246,12 @@ class MooncakeBackend(TransferBackend):
                     msg = n.msg
                     if isinstance(msg, bytes):
                         msg = msg.decode(errors="replace")
-                    parsed = parse_notif(str(msg))
+                    parsed = parse_notif(str(msg), self.config.secret)
                     if parsed is not None:
                         self._tracker.add(*parsed)
                         got = True
+                except ForgedNotification as e:
+                    self._forged(e)
                 except Exception as e:  # noqa: BLE001 - a malformed message costs its sender only
                     self._fail_peer(str(getattr(n, "name", "")), f"unreadable Mooncake notification: {e}")
             idle = 0 if got else idle + 1

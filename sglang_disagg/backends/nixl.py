@@ -27,7 +27,7 @@ from typing import Any
 
 from . import nixl_memory
 from .base import TransferBackend
-from .messages import notif_text, parse_notif
+from .messages import ForgedNotification, notif_text, parse_notif
 from .errors import BackendUnavailable, DescriptorError, PeerLostError, TransferError, UnsupportedMemory
 from .peers import Peer
 from .regions import Memory, NativeRegistration, PageWrite, RegionDescriptor
@@ -208,7 +208,7 @@ class NixlBackend(TransferBackend):
         regs = self._regions
         local, local_mem, remote, remote_mem = nixl_memory.transfer_lists(
             writes, {w.src.id: regs[w.src.id][0].addr for w in writes})
-        note = notif_text(imm, len(writes)).encode()
+        note = notif_text(imm, len(writes), self.config.secret).encode()
         agent = peer.native  # None once the peer is dropped
         if agent is None:
             raise PeerLostError(f"peer {peer.address} is {peer.state.value}")
@@ -279,10 +279,12 @@ class NixlBackend(TransferBackend):
             name = agent.decode(errors="replace") if isinstance(agent, bytes) else str(agent)
             for m in msgs:
                 try:
-                    got = parse_notif(m if isinstance(m, bytes) else str(m))
+                    got = parse_notif(m if isinstance(m, bytes) else str(m), self.config.secret)
                     if got is not None:
                         self._tracker.add(*got)
                         busy = True
+                except ForgedNotification as e:
+                    self._forged(e)
                 except Exception as e:  # noqa: BLE001 - a malformed message costs its sender only
                     self._fail_peer(name, f"unreadable NIXL notification: {e}")
                     break

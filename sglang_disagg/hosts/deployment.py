@@ -10,6 +10,7 @@ node (and ``Network.close()`` kills whatever a node left in its host).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import secrets
@@ -31,17 +32,30 @@ class NodeFailed(RuntimeError):
 
 @dataclass(frozen=True)
 class Layout:
-    """Which host runs what: one prefill group, one decode group, the router."""
+    """Which host runs what: prefill groups (one per host, named prefill-0, -1, ...), one decode
+    group, the router, and hosts on the same network that are no part of the deployment."""
 
-    prefill: str = "prefill"
+    prefill: tuple[str, ...] = ("prefill",)
     decode: str = "decode"
     router: str = "router"
     prefill_tp: int = 1
     decode_tp: int = 1
+    outside: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.prefill, str) or not self.prefill:
+            raise ValueError(f"Layout.prefill: a non-empty tuple of host names, got {self.prefill!r}")
+        names = self.names
+        if len(set(names)) != len(names):
+            raise ValueError(f"Layout: a host name is used twice in {names}")
 
     @property
     def names(self) -> list[str]:
-        return [self.prefill, self.decode, self.router]
+        """Every host, in address order: prefill hosts, decode, router, then the outside ones."""
+        return [*self.prefill, self.decode, self.router, *self.outside]
+
+    def prefill_node(self, i: int) -> str:
+        return f"prefill-{i}"
 
 
 @dataclass
@@ -98,19 +112,21 @@ class Deployment:
     @classmethod
     def write(cls, root: Path, net: Network, layout: Layout, *, model: str = "tiny-llama", backend: str,
               provider: str | None = None, port: int = 30000, extra_args: tuple[str, ...] = (),
-              max_total_tokens: int = 4096) -> Deployment:
+              max_total_tokens: int = 4096, mode: str = "messenger") -> Deployment:
         root.mkdir(parents=True, exist_ok=True)
         secret = root / "secret"
         secret.write_text(secrets.token_hex(32))
         secret.chmod(0o600)
-        p, d, r = net[layout.prefill], net[layout.decode], net[layout.router]
-        lines = ["[deployment]", f'model = "{model}"', 'mode = "messenger"', f'backend = "{backend}"',
+        d, r = net[layout.decode], net[layout.router]
+        lines = ["[deployment]", f'model = "{model}"', f'mode = "{mode}"', f'backend = "{backend}"',
                  f"port = {port}", f"max_total_tokens = {max_total_tokens}", f'secret_file = "{secret}"',
                  "extra_args = [" + ", ".join(f'"{a}"' for a in extra_args) + "]"]
         if provider:
             lines.append(f'provider = "{provider}"')
-        lines += ["", "[[prefill]]", 'name = "prefill-0"', f'host = "{p.address}"', f"tp = {layout.prefill_tp}",
-                  "", "[[decode]]", 'name = "decode-0"', f'host = "{d.address}"', f"tp = {layout.decode_tp}",
+        for i, host in enumerate(layout.prefill):
+            lines += ["", "[[prefill]]", f'name = "{layout.prefill_node(i)}"', f'host = "{net[host].address}"',
+                      f"tp = {layout.prefill_tp}"]
+        lines += ["", "[[decode]]", 'name = "decode-0"', f'host = "{d.address}"', f"tp = {layout.decode_tp}",
                   "", "[router]", f'host = "{r.address}"', ""]
         file = root / "deployment.toml"
         file.write_text("\n".join(lines))
@@ -133,23 +149,40 @@ class Deployment:
         self.nodes[node] = n
         return n
 
-    def start(self, timeout_s: float = 300.0) -> dict[str, float]:
-        """Prefill and decode together, then the router; seconds each took to come up."""
+    def start(self, timeout_s: float = 300.0, flags: dict[str, tuple[str, ...]] | None = None) -> dict[str, float]:
+        """Prefill and decode groups together, then the router; seconds each took to come up.
+        `flags`: extra launcher flags per node name (they override the file, as on the command line)."""
         deadline = time.monotonic() + timeout_s
-        lay = self.layout
-        servers = [self.launch("prefill-0", lay.prefill), self.launch("decode-0", lay.decode)]
+        lay, flags = self.layout, flags or {}
+        servers = [self.launch(lay.prefill_node(i), host, *flags.get(lay.prefill_node(i), ()))
+                   for i, host in enumerate(lay.prefill)]
+        servers.append(self.launch("decode-0", lay.decode, *flags.get("decode-0", ())))
         try:
             ups = {n.name: n.wait_up(deadline) for n in servers}
-            ups["router"] = self.launch("router", lay.router).wait_up(deadline)
+            ups["router"] = self.launch("router", lay.router, *flags.get("router", ())).wait_up(deadline)
         except BaseException:
             self.close()
             raise
         return ups
 
     def messenger_stats(self, node: str, role: str) -> dict:
-        import json
-
         return json.loads((self.root / node / f"{role}.messenger.json").read_text())
+
+    def links(self) -> dict:
+        """The decoder's links to prefill servers, as its messenger last published them ({} until it did)."""
+        try:
+            return self.messenger_stats("decode-0", "decode").get("links", {})
+        except (OSError, ValueError):  # not written yet, or caught mid-write
+            return {}
+
+    def wait_links_ready(self, timeout: float = 15.0) -> float:
+        """Until every link of the decoder is ready; the seconds it took (TimeoutError past `timeout`)."""
+        t0 = time.monotonic()
+        while not ((links := self.links()) and all(v.get("state") == "ready" for v in links.values())):
+            if time.monotonic() - t0 > timeout:
+                raise TimeoutError(f"the decoder's links to prefill servers are not ready: {links}")
+            time.sleep(0.1)
+        return time.monotonic() - t0
 
     def close(self) -> None:
         for n in reversed(list(self.nodes.values())):

@@ -156,6 +156,7 @@ class Host:
     name: str
     address: str
     ns: Namespace
+    port: str  # its veth's other end, in the bridge's namespace: the switch port this host is plugged into
     interface: str = "eth0"
 
     def argv(self, argv: list[str], cwd: str | None = None) -> list[str]:
@@ -182,9 +183,8 @@ class Host:
                         "tx_packets": int(f[9])}
         raise HostsUnavailable(f"host {self.name} has no interface {self.interface}")
 
-    def link(self, up: bool) -> None:
-        """Take this host's link down or up (from inside the host, as a cable pulled)."""
-        _ip(self.ns.pid, "link", "set", self.interface, "up" if up else "down")
+    def netns_file(self) -> str:
+        return f"/proc/{self.ns.pid}/ns/net"
 
 
 @dataclass
@@ -192,6 +192,7 @@ class Network:
     run: str  # the marks' common part: MARK-<owner pid>-<run>
     bridge: Namespace
     hosts: dict[str, Host] = field(default_factory=dict)
+    shaping: dict[str, object] = field(default_factory=dict)  # shaping.py's state of each switch port
 
     @classmethod
     def create(cls, run: str, names: list[str]) -> Network:
@@ -215,9 +216,9 @@ class Network:
         ns = Namespace.start(f"{self.run}-{name}", every,
                              f"mount -t tmpfs -o size={SHM_SIZE},mode=1777 {MARK}-shm /dev/shm && "
                              f"hostname {name} && ip link set lo up")
-        host = Host(name, f"{SUBNET}.{i + 1}", ns)
-        self.hosts[name] = host
         br = f"v{i}"
+        host = Host(name, f"{SUBNET}.{i + 1}", ns, br)
+        self.hosts[name] = host
         _ip(self.bridge.pid, "link", "add", br, "type", "veth", "peer", "name", host.interface, "netns", str(ns.pid))
         _ip(self.bridge.pid, "link", "set", br, "master", "br0", "up")
         _ip(ns.pid, "addr", "add", f"{host.address}/24", "dev", host.interface)
@@ -225,6 +226,18 @@ class Network:
 
     def __getitem__(self, name: str) -> Host:
         return self.hosts[name]
+
+    def link(self, name: str, up: bool) -> None:
+        """Cut (or restore) host `name`'s cable at the bridge: its eth0 loses carrier, its addresses
+        and routes stay, and nothing it sends or is sent arrives, as with a pulled cable."""
+        _ip(self.bridge.pid, "link", "set", self[name].port, "up" if up else "down")
+
+    def tc(self, *args: str) -> None:
+        """`tc ARGS` in the bridge's namespace (where every host's switch port is)."""
+        r = subprocess.run(["nsenter", "-t", str(self.bridge.pid), "-n", "tc", *args], capture_output=True, text=True,
+                           timeout=10)
+        if r.returncode:
+            raise HostsUnavailable(f"tc {' '.join(args)}: {r.stderr.strip()}")
 
     def close(self) -> None:
         for host in self.hosts.values():

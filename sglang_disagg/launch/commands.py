@@ -312,6 +312,11 @@ def router_spec(cfg: LaunchConfig) -> ProcessSpec:
     # The router's own health checks and retries would hide a dead worker for
     # tens of seconds; fail fast and let the client see the error.
     argv += ["--health-check-interval-secs", "2", "--health-failure-threshold", "2"]
+    # Two attempts, not smg's five (its "max retries" counts attempts: 1 never retries): a
+    # request the decoder failed after some of its KV landed (a prefill server lost) is
+    # served by the retry, while one that ran past its transfer deadline on a slow link
+    # fails after two deadlines instead of five.
+    argv += ["--retry-max-retries", "2"]
     # Pinned with the prefill server: a decode server's cores run decoding only, as on a
     # dedicated decode node, and the router's work lands where a prefill stall costs no ITL.
     return ProcessSpec("router", tuple(argv), _env(cfg, Role.ROUTER, 1), ports.front, _pinned(cfg, Role.PREFILL),

@@ -406,8 +406,12 @@ class DecodeMessenger:
         return False
 
     def idle(self) -> bool:
-        # Quarantined pages wait on a prefill server's answer (a message wakes us), not on a step.
-        return all(e.phase is Phase.QUARANTINE for e in self.entries.values())
+        # Quarantined pages keep the scheduler from being idle although they wait on a prefill
+        # server's answer, not on a step (wait_while_busy sleeps until a message wakes us): an
+        # idle SGLang scheduler checks its pool for leaks (and raised on the quarantined pages,
+        # killing the decoder, when a prefill host stayed cut off), and /flush_cache would
+        # hand pages back to the allocator that a stale write may still land in.
+        return not self.entries
 
     def has_leader_work(self) -> bool:
         return any(e.phase is Phase.ROUTE and not e.routed for e in self.entries.values()) and \

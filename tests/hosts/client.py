@@ -9,13 +9,12 @@ test process lives in the root namespace, where no host address exists: it asks 
 from __future__ import annotations
 
 import json
-import re
 import sys
 import urllib.request
 
+from sglang_disagg.hosts.tail import KV_BYTES
 from sglang_disagg.launch.client import generate_ids
 
-KV_BYTES = re.compile(r"^sglang_disagg_kv_bytes_total ([0-9.e+]+)$", re.M)
 
 
 def kv_bytes(url: str | None) -> float | None:

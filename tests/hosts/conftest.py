@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 
 from e2e.conftest import COMMON_ARGS, OUTPUT_TOKENS, StackSpec, prompts_for, run_sequential, start_stack
+from e2e.faultlib import long_prompt
+from sglang_disagg.launch.client import generate_ids
 from sglang_disagg.hosts import netns
 from sglang_disagg.hosts.deployment import Deployment, Layout
 from sglang_disagg.launch import Role
@@ -56,15 +58,34 @@ def network(hosts_possible, request):
     net.close()
 
 
+LONG_TOKENS = {"long": (1500, 6), "medium": (400, 3), "slow": (700, 1)}  # tokens, how many
+LONG_OUTPUT = 4
+
+
+def long_prompts() -> dict[str, list[int]]:
+    """Prompts whose KV takes seconds on a capped link, by name ("long-0", ...), each sent by
+    one test only (so no radix cache holds any of them)."""
+    return {f"{kind}-{i}": long_prompt(n, 20 + 10 * k + i) for k, (kind, (n, count)) in enumerate(LONG_TOKENS.items())
+            for i in range(count)}
+
+
 @pytest.fixture(scope="session")
-def reference(tmp_path_factory):
-    """Prompts and their colocated greedy outputs (tiny-llama, the e2e tests' flags)."""
-    prompts = prompts_for("tiny-llama")
+def colocated(tmp_path_factory):
+    """Colocated greedy outputs (tiny-llama, the e2e tests' flags), one server for both sets:
+    "short" (the e2e prompts, OUTPUT_TOKENS each) and "long" (long_prompts(), LONG_OUTPUT each)."""
+    prompts, longs = prompts_for("tiny-llama"), long_prompts()
     stack = start_stack(tmp_path_factory.mktemp("hosts-ref"), StackSpec(role=Role.COLOCATED))
     try:
-        return prompts, run_sequential(stack.url, prompts)
+        return {"short": (prompts, run_sequential(stack.url, prompts)),
+                "long": {k: (p, generate_ids(stack.url, p, LONG_OUTPUT)) for k, p in longs.items()}}
     finally:
         stack.stop()
+
+
+@pytest.fixture(scope="session")
+def reference(colocated):
+    """The e2e prompts and their colocated greedy outputs."""
+    return colocated["short"]
 
 
 def ask(dep: Deployment, prompts: list[list[int]], from_host: str | None = None) -> dict:

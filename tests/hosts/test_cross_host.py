@@ -7,7 +7,9 @@ entered the decode host through its link: the decode host's eth0 received at lea
 many bytes as the decoder's messenger counted as KV (sglang_disagg_kv_bytes), and that
 count is at least the prompts' KV (tokens x layers x 2 x KV heads x head dim x 4 bytes,
 less the pages its radix cache reused), so neither shared memory nor cross-memory
-attach can have carried it.
+attach can have carried it. Then, with the deployment still up, a fourth host that is no
+part of it probes every port of every node (exposure.py) and the stack must still serve
+token-exact.
 """
 
 from __future__ import annotations
@@ -16,13 +18,18 @@ import pytest
 
 from e2e.conftest import assert_same
 from sglang_disagg.hosts.deployment import Layout
+from sglang_disagg.hosts.tail import Geometry
 
+from . import exposure
 from .conftest import ask, deployment
 
 pytestmark = pytest.mark.e2e
 
-# tiny-llama: 4 layers, 2 KV heads of 64, float32
-KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 64 * 4
+
+# Data planes that let a host outside the deployment into registered memory whatever the
+# secret (their protocols carry no authentication: README "Exposure across hosts"). Anything
+# else the exposure check finds broken fails the test.
+KNOWN_OPEN = {"nixl": ("UCX tcp interface",), "mooncake": ("Mooncake handshake", "Mooncake TCP transport")}
 
 CASES = {
     "libfabric-tcp-tp2": dict(backend="libfabric", provider="tcp", tp=2),
@@ -31,24 +38,32 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("network", [Layout(outside=("outside",)).names], indirect=True)
 @pytest.mark.parametrize("case", CASES)
 def test_token_exact_across_hosts_and_the_kv_crossed_the_link(tmp_path, network, reference, case):
     c = CASES[case]
     prompts, expected = reference
-    dep = deployment(tmp_path, network, Layout(prefill_tp=c["tp"]), backend=c["backend"], provider=c.get("provider"))
+    dep = deployment(tmp_path, network, Layout(prefill_tp=c["tp"], outside=("outside",)), backend=c["backend"],
+                     provider=c.get("provider"))
     try:
         dep.start()
         before = network["decode"].counters()
         got = ask(dep, prompts)
         after = network["decode"].counters()
+        _, broken = exposure.probe(dep, network, "outside", reference)
     finally:
         dep.close()
+    known = KNOWN_OPEN.get(c["backend"], ())
+    unexpected = [b for b in broken if not (known and "registered memory" in b and any(k in b for k in known))]
+    for b in broken:
+        print(("UNEXPECTED " if b in unexpected else "known open: ") + b)
+    assert not unexpected, f"{len(unexpected)} exposure promise(s) broken:\n" + "\n".join(unexpected)
     assert_same(got["outputs"], expected, prompts)
     kv = got["kv_bytes"] - got["kv_bytes_before"]
     # Every prompt but the 1-token one leaves the decoder; the repeated long prompt and the
     # shared prefix are served partly from the decoder's radix cache: count only the first
     # long prompt and the short ones as the floor.
-    floor = sum(len(p) - 1 for p in prompts[1:7]) * KV_BYTES_PER_TOKEN
+    floor = sum(len(p) - 1 for p in prompts[1:7]) * Geometry.of("tiny-llama").bytes_per_token
     assert kv >= floor, f"the decoder counted {kv:.0f} KV bytes, less than the prompts' {floor}"
     rx = after["rx_bytes"] - before["rx_bytes"]
     tx = after["tx_bytes"] - before["tx_bytes"]

@@ -24,6 +24,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <pthread.h>
+#include <sys/random.h>
 #include <sched.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -126,7 +127,7 @@ struct shim_ep {
     struct fid_ep *ep;
     shim_info si;
     struct mr_slot *mrs; size_t n_mrs;
-    uint64_t next_key;
+    uint64_t forged;  /* completions with data that no remote write carried: dropped */
     struct shim_batch live;          /* sentinel of the list of batches in flight */
     struct shim_batch *done_head;    /* finished, not yet reported */
     struct imm_count *imms; size_t n_imms, cap_imms;
@@ -424,8 +425,10 @@ static int drain(shim_ep *e) {
                 if (--b->remaining == 0) batch_finished(e, b);
             } else {
                 if (op && op->kind == OP_RECV && ee.err != FI_ECANCELED) post_recv(e, op);
-                if (ee.flags & FI_REMOTE_CQ_DATA)   /* the immediate names the request */
+                if ((ee.flags & FI_REMOTE_CQ_DATA) && (ee.flags & FI_REMOTE_WRITE))  /* the immediate names it */
                     tag_failed(e, (uint32_t)ee.data, status, prov);
+                else if (ee.flags & FI_REMOTE_CQ_DATA)
+                    e->forged++;  /* a failed message with data: not ours to count (see above) */
                 else if (!(op && ee.err == FI_ECANCELED))
                     set_async(e, status, "cq error: %s (%s)", fi_strerror(status), prov);
             }
@@ -438,6 +441,13 @@ static int drain(shim_ep *e) {
         }
         for (ssize_t i = 0; i < n; i++) {
             struct shim_op *op = ent[i].op_context;
+            if ((ent[i].flags & FI_REMOTE_CQ_DATA) && !(ent[i].flags & FI_REMOTE_WRITE)) {
+                /* A message carrying data (fi_senddata) needs no key: anyone reaching the
+                 * endpoint can send one. Only a remote write, which proved a key, counts. */
+                e->forged++;
+                if (is_recv_op(e, op)) post_recv(e, op);
+                continue;
+            }
             if (ent[i].flags & FI_REMOTE_CQ_DATA) {
                 count_imm(e, (uint32_t)ent[i].data);
                 if (is_recv_op(e, op)) post_recv(e, op);
@@ -492,7 +502,6 @@ int shim_open(const char *prov, const char *node, int hmem, shim_ep **out, char 
     pthread_mutex_init(&e->lock, NULL);
     pthread_cond_init(&e->idle, NULL);
     e->live.next = e->live.prev = &e->live;
-    e->next_key = 1;
     hints->caps = FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_MSG;
     hints->mode = FI_CONTEXT | FI_CONTEXT2 | FI_RX_CQ_DATA;
     hints->ep_attr->type = FI_EP_RDM;
@@ -722,7 +731,15 @@ int shim_mr_reg(shim_ep *e, void *buf, size_t len, int iface, int device, uint64
             snprintf(err, errlen, "fi_mr_regattr(%s): endpoint opened without FI_HMEM", iface_name(iface));
         goto out;
     }
-    uint64_t want = e->si.prov_key ? 0 : e->next_key++;
+    /* Keys we choose are random, never 1, 2, 3, ...: the key is what stands between a
+     * region and anyone on the network who can reach the endpoint (the tcp provider takes
+     * any connection, and without FI_MR_VIRT_ADDR addresses are offsets from 0). */
+    uint64_t want = 0;
+    if (!e->si.prov_key && getrandom(&want, sizeof want, 0) != (ssize_t)sizeof want) {
+        ret = -FI_EIO;
+        set_err(err, errlen, "getrandom (an MR key)", ret);
+        goto out;
+    }
     struct iovec iov = { .iov_base = buf, .iov_len = len };
     struct fi_mr_attr attr = { .mr_iov = &iov, .iov_count = 1, .access = FI_WRITE | FI_REMOTE_WRITE,
                                .requested_key = want, .iface = (enum fi_hmem_iface)iface };
