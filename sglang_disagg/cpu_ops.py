@@ -52,11 +52,15 @@ def copy_all_layer_kv_cache_cpu(
 
 
 def __getattr__(name: str):
-    """Any other sgl_kernel CPU op (speculative decoding's tree/eagle ops) is
-    imported at module load but only called when that feature is used: hand
+    """Speculative decoding's index ops come from spec_ops. Any other sgl_kernel CPU
+    op is imported at module load but only called when its feature is used: hand
     back a function that fails then, naming what is missing."""
     if not name.endswith("_cpu") or name.startswith("__"):
         raise AttributeError(name)
+    from sglang_disagg.spec_ops import OPS
+
+    if name in OPS:
+        return OPS[name]
 
     def unavailable(*args, **kwargs):
         raise NotImplementedError(

@@ -105,6 +105,7 @@ def _make_nixl_agent(make: Any) -> Any:
 # a decoder which did not get the prefill's KV produces different tokens, i.e.
 # that the token comparison can fail.
 FAULT_ENV = "SGLANG_DISAGG_FAULT"
+_KV_DUMP = "SGLANG_DISAGG_KV_DUMP"  # kvdump.ENV, without importing it on every forward
 
 
 def after_kv_received(scheduler: Any, req: Any) -> None:
@@ -146,7 +147,12 @@ def model_loaded(model_runner: Any) -> None:
     from sglang_disagg.messenger.config import MessengerConfig, MessengerRole
 
     cfg = MessengerConfig.from_env()
-    if cfg is None or cfg.role is not MessengerRole.PREFILL or not cfg.stream or model_runner.is_draft_worker:
+    if cfg is None:
+        return
+    from sglang_disagg.messenger.speculative import check_server_args
+
+    check_server_args(model_runner.server_args)  # before a draft is loaded, not after
+    if cfg.role is not MessengerRole.PREFILL or not cfg.stream or model_runner.is_draft_worker:
         return
     from sglang.srt.runtime_context import get_parallel
 
@@ -273,6 +279,18 @@ def after_forward(scheduler: Any, batch: Any) -> None:
     it completed."""
     if _messenger is not None and batch.forward_mode.is_extend():
         _messenger.after_forward(batch)
+    if _KV_DUMP in os.environ:
+        from sglang_disagg import kvdump
+
+        kvdump.after_forward(scheduler, batch)
+
+
+def draft_tail_tokens(batch: Any, tail_tokens: Any) -> Any:
+    """SGLang's draft extend over a prefill batch reads, after each request's last
+    position, `tail_tokens` (the sampled token); a messenger order's is the prompt's last
+    token instead (prefill never samples, and the decoder runs that token itself)."""
+    fn = getattr(_messenger, "draft_tail_tokens", None)
+    return tail_tokens if fn is None else fn(batch, tail_tokens)
 
 
 def hold_release(req: Any, checkpoint: bool) -> bool:

@@ -231,6 +231,13 @@ def server_spec(cfg: LaunchConfig, role: Role, model_path: str, builtin: bool,
 DIST_STORE_ENV = "SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE"
 
 
+def _extra(cfg: LaunchConfig) -> list[str]:
+    """Pass-through arguments, a built-in draft model's name resolved to its directory."""
+    from sglang_disagg.messenger.speculative import with_draft_paths
+
+    return with_draft_paths(cfg.extra_args)
+
+
 def _server_spec(cfg: LaunchConfig, role: Role, model_path: str, builtin: bool,
                  log_dir: Path | None = None) -> ProcessSpec:
     ports = cfg.ports
@@ -238,7 +245,7 @@ def _server_spec(cfg: LaunchConfig, role: Role, model_path: str, builtin: bool,
         argv = _server_base(cfg, model_path, builtin, ports.front, ports.colocated_dist, cfg.prefill_tp, role)
         if cfg.page_size is not None:
             argv += ["--page-size", str(cfg.page_size)]
-        return ProcessSpec("colocated", tuple(argv + list(cfg.extra_args)), _env(cfg, role, cfg.prefill_tp),
+        return ProcessSpec("colocated", tuple(argv + _extra(cfg)), _env(cfg, role, cfg.prefill_tp),
                            ports.front)
     if role is Role.PREFILL:
         tp, port = cfg.prefill_tp, ports.prefill
@@ -253,7 +260,7 @@ def _server_spec(cfg: LaunchConfig, role: Role, model_path: str, builtin: bool,
             if cfg.page_size is not None:
                 argv += ["--page-size", str(cfg.page_size)]
             env = _env(cfg, role, tp)
-        return ProcessSpec("prefill", tuple(argv + list(cfg.extra_args)), env, port, _pinned(cfg, role))
+        return ProcessSpec("prefill", tuple(argv + _extra(cfg)), env, port, _pinned(cfg, role))
     if role is Role.DECODE:
         tp, port = cfg.decode_tp, ports.decode
         argv = _server_base(cfg, model_path, builtin, port, ports.decode_dist, tp, role)
@@ -266,7 +273,7 @@ def _server_spec(cfg: LaunchConfig, role: Role, model_path: str, builtin: bool,
             if cfg.page_size is not None:
                 argv += ["--page-size", str(cfg.page_size)]
             env = _env(cfg, role, tp)
-        return ProcessSpec("decode", tuple(argv + list(cfg.extra_args)), env, port, _pinned(cfg, role))
+        return ProcessSpec("decode", tuple(argv + _extra(cfg)), env, port, _pinned(cfg, role))
     raise ValueError(f"{role} is not a server role")
 
 

@@ -222,6 +222,10 @@ class LaunchConfig:
                              "reach prefill servers themselves)")
         if self.role is Role.DECODE and not self.prefill_messengers:
             raise ValueError("--role decode in messenger mode needs at least one --prefill-messenger host:port")
+        if self.role is not Role.COLOCATED:
+            from sglang_disagg.messenger.speculative import check_argv
+
+            check_argv(self.extra_args)
 
     @property
     def served_model_name(self) -> str:

@@ -27,6 +27,8 @@ def differences(decoder: KVSpec, prefill: KVSpec) -> list[str]:
         if a != b:
             if f.name == "fingerprint":
                 out.append(f"model differs (decoder: {decoder.model} [{a}], prefill: {prefill.model} [{b}])")
+            elif f.name == "draft":
+                out.append(f"speculative draft differs (decoder: {a or 'none'}, prefill: {b or 'none'})")
             else:
                 out.append(f"{f.name} differs (decoder: {a}, prefill: {b})")
     return out

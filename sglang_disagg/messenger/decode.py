@@ -150,8 +150,9 @@ class DecodeMessenger:
         # The first write alone, then the rest: whether any landed decides if a lost request may be re-routed.
         first = self.backend.expect(e.tag, 1, self.cfg.transfer_timeout_s, peers)
         first.add_done_callback(lambda f, e=e, tag=e.tag: self._on_first(e, tag, f, peers))
-        order = wire.PrefillOrder(rid=e.req.rid, tag=e.tag, token_ids=tuple(e.req.origin_input_ids[:e.n_tokens]),
-                                  dst_pages=e.pages, start_page=e.start_page)
+        prompt = e.req.origin_input_ids
+        order = wire.PrefillOrder(rid=e.req.rid, tag=e.tag, token_ids=tuple(prompt[:e.n_tokens]),
+                                  dst_pages=e.pages, start_page=e.start_page, last_token=int(prompt[e.n_tokens]))
         try:
             e.route_peer = self.links.links[e.link].peer
             self.links.links[e.link].send(order)

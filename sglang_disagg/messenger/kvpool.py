@@ -41,36 +41,42 @@ def memory_of(tensor: Any) -> Memory:
 
 @dataclass(frozen=True, slots=True)
 class KVPoolView:
-    """The per-(layer, kind) buffers of one rank, in region_index order."""
+    """The per-(layer, kind) buffers of one rank, in region_index order: the target's
+    layers, then a speculative draft's (``draft_layers``; its pool shares the target's
+    token slots, so a page id names the same tokens in both). The planner sees one pool of
+    ``geometry.num_layers`` layers; only the target's are streamed by the layer counter."""
 
     geometry: KVGeometry
     tensors: tuple[Any, ...]  # torch tensors, contiguous
     dtype: str
+    draft_layers: int = 0
+
+    @property
+    def target_layers(self) -> int:
+        return self.geometry.num_layers - self.draft_layers
 
     @classmethod
-    def from_pool(cls, pool: Any, total_kv_heads: int) -> KVPoolView:
-        if not getattr(pool, "use_hnd", False) or not hasattr(pool, "k_buffer"):
-            raise LayoutError(f"the messenger needs an MHA KV pool in HND layout (SGLANG_USE_HND_KVCACHE=1), "
-                              f"got {type(pool).__name__} layout {getattr(pool, 'kv_cache_layout', '?')!r}")
-        if getattr(pool, "is_quantized_kv_cache", False):
-            raise LayoutError("the messenger does not move quantized KV caches yet")
-        tensors = []
-        for layer in range(pool.layer_num):
-            for buf in (pool.k_buffer[layer], pool.v_buffer[layer]):
-                if not buf.is_contiguous():
-                    raise LayoutError(f"KV buffer of layer {layer} is not contiguous")
-                tensors.append(buf)
+    def from_pool(cls, pool: Any, total_kv_heads: int, draft: Any = None) -> KVPoolView:
+        tensors = _buffers(pool, "")
         k = pool.k_buffer[0]
-        geometry = KVGeometry(num_layers=pool.layer_num, kv_heads=total_kv_heads, head_dim=pool.head_dim,
+        shape = _shape(pool)
+        if draft is not None:
+            if _shape(draft) != shape:
+                raise LayoutError(f"the speculative draft's KV pool (heads per rank, head_dim, v_head_dim, "
+                                  f"page_size, dtype = {_shape(draft)}) differs from the target's ({shape}): "
+                                  f"the messenger plans one page geometry for both")
+            tensors += _buffers(draft, "draft ")
+        geometry = KVGeometry(num_layers=len(tensors) // 2, kv_heads=total_kv_heads, head_dim=pool.head_dim,
                               v_head_dim=pool.v_head_dim, page_size=pool.page_size,
                               dtype_bytes=k.element_size(), layout=Layout.HND)
-        return cls(geometry, tuple(tensors), str(k.dtype).removeprefix("torch."))
+        return cls(geometry, tuple(tensors), str(k.dtype).removeprefix("torch."),
+                   draft.layer_num if draft is not None else 0)
 
-    def spec(self, model: str, fingerprint: str, tp: int) -> KVSpec:
+    def spec(self, model: str, fingerprint: str, tp: int, draft: str = "") -> KVSpec:
         g = self.geometry
-        return KVSpec(model=model, fingerprint=fingerprint, num_layers=g.num_layers, kv_heads=g.kv_heads,
+        return KVSpec(model=model, fingerprint=fingerprint, num_layers=self.target_layers, kv_heads=g.kv_heads,
                       head_dim=g.head_dim, v_head_dim=g.v_head_dim, page_size=g.page_size, dtype=self.dtype,
-                      layout=g.layout.value, tp=tp)
+                      layout=g.layout.value, tp=tp, draft=draft, draft_layers=self.draft_layers)
 
     def register(self, backend: TransferBackend) -> tuple[list[MemoryRegion], list[str]]:
         regions, descriptors = [], []
@@ -87,6 +93,26 @@ class KVPoolView:
                 t = self.tensors[region_index(layer, kind)]
                 for p in pages:
                     t[p].zero_()
+
+
+def _buffers(pool: Any, which: str) -> list[Any]:
+    if not getattr(pool, "use_hnd", False) or not hasattr(pool, "k_buffer"):
+        raise LayoutError(f"the messenger needs an MHA {which}KV pool in HND layout (SGLANG_USE_HND_KVCACHE=1), "
+                          f"got {type(pool).__name__} layout {getattr(pool, 'kv_cache_layout', '?')!r}")
+    if getattr(pool, "is_quantized_kv_cache", False):
+        raise LayoutError("the messenger does not move quantized KV caches yet")
+    tensors = []
+    for layer in range(pool.layer_num):
+        for buf in (pool.k_buffer[layer], pool.v_buffer[layer]):
+            if not buf.is_contiguous():
+                raise LayoutError(f"{which}KV buffer of layer {layer} is not contiguous")
+            tensors.append(buf)
+    return tensors
+
+
+def _shape(pool: Any) -> tuple:
+    k = pool.k_buffer[0]
+    return (k.shape[1], pool.head_dim, pool.v_head_dim, pool.page_size, str(k.dtype).removeprefix("torch."))
 
 
 def page_ids(slots: Sequence[int], page_size: int) -> list[int]:

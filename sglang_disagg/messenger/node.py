@@ -17,7 +17,7 @@ from ..backends import BackendConfig, DeadlineExceeded, auth, create_backend
 from ..backends.base import TransferBackend
 from ..backends.regions import HOST, cuda
 from .. import cumem, handover, shm
-from . import compat, wire
+from . import compat, speculative, wire
 from .config import MessengerConfig, MessengerRole
 from .kvpool import KVPoolView
 from .metrics import MessengerMetrics
@@ -43,7 +43,8 @@ class Node:
         self.cfg = cfg
         self.ranks = RankGroup(par.tp_rank, par.tp_size, scheduler.tp_cpu_group)
         pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
-        self.view = KVPoolView.from_pool(pool, scheduler.model_config.get_total_num_kv_heads())
+        self.view = KVPoolView.from_pool(pool, scheduler.model_config.get_total_num_kv_heads(),
+                                         speculative.draft_pool(scheduler))
         self.page_size = self.view.geometry.page_size
         # Where this rank's buffers live, for the leader to map (its own need no mapping). On
         # GPU the leader gathers the address of its inbox instead, where the ranks then send
@@ -87,7 +88,7 @@ class Node:
         name = args.served_model_name or model_path
         self.name = cfg.name or f"{cfg.role.value}@{self.backend.address if self.backend else '?'}"
         self.spec = self.view.spec(os.path.basename(str(name).rstrip("/")), compat.fingerprint(model_path),
-                                   self.ranks.size)
+                                   self.ranks.size, speculative.draft_id(args))
         self.wakeup = Wakeup()
         self.stats_file = StatsFile(cfg.stats_file if self.ranks.is_leader else "")
         # Every rank updates its own registry; only the leader's is served.

@@ -81,7 +81,7 @@ class PrefillMessenger:
                 raise RuntimeError("messenger: streaming is on but the model has no layer counter: "
                                    "sglang_disagg.hooks.model_loaded did not run (SGLang patch missing?)")
             early = os.environ.get(FAULT_ENV) == "early_writes"  # negative control: write before the KV exists
-            self.streamer = Streamer(counter, self.node.view.geometry.num_layers, self._post, early=early,
+            self.streamer = Streamer(counter, self.node.view.target_layers, self._post, early=early,
                                      settle=self._settle)
         if self.intake is not None:
             self.node.start_reader(self.intake.on_message)
@@ -225,6 +225,18 @@ class PrefillMessenger:
                 if c.tail and not c.rec.failed:
                     self._post(c, c.tail)
 
+    def draft_tail_tokens(self, batch: Any, tail: Any) -> Any:
+        """A speculative draft's extend reads at each position the token after it: after an
+        order's last position that is the prompt's last token (the order carries it), not
+        a sampled one. A chunk before an order's last keeps SGLang's (the next prompt token)."""
+        out = tail
+        for i, req in enumerate(batch.reqs):
+            rec = getattr(req, ORDER_ATTR, None)
+            if rec is not None and req is not batch.chunked_req:
+                out = tail.clone() if out is tail else out
+                out[i] = rec.order.last_token
+        return out
+
     def _chunk(self, req: Any, by_layer: bool) -> Chunk | None:
         """The pages `req` has complete once the current forward ends, not written yet, as
         write groups: per layer when streaming (pages of a cached prefix exist already)."""
@@ -249,7 +261,7 @@ class PrefillMessenger:
             chunk.ready = plan.groups((row[first * ps:end * ps:ps] // ps).tolist(), o.dst_pages[first:end])
         if by_layer and upto > cached:
             chunk.place(plan.groups((row[cached * ps:upto * ps:ps] // ps).tolist(), o.dst_pages[cached:upto]),
-                        self.ranks.rank, self.node.view.geometry.num_layers)
+                        self.ranks.rank, self.node.view.target_layers)
         self.stats["pages_sent"] += upto - rec.sent
         rec.sent = upto
         rec.times.setdefault("forward_start", time.monotonic())

@@ -10,6 +10,8 @@ a word the device writes (layers.py, devices/): on CUDA the forward is still run
 GPU when submit() returns, and the streamer follows the word, not the Python enqueue.
 
 Without a counter (``stream=False``) the same chunks are posted whole after the forward.
+A speculative draft's layers (registered after the target's) are computed by the draft's
+own forward after the target's, which the counter does not follow: they go in ``tail``.
 
 Other TP ranks' pages (the leader posts for its whole server) run one layer behind: the
 counter ticks after the leader's o_proj, and SGLang reduces o_proj's partial sums later
@@ -47,9 +49,13 @@ class Chunk:
 
     def place(self, groups: list[WriteGroup], own_rank: int, num_layers: int) -> None:
         """File freshly computed pages' groups by the layer whose end proves them written:
-        this rank's at their own layer, other ranks' one layer later (see above)."""
+        this rank's at their own layer, other ranks' one layer later (see above). Layers
+        from `num_layers` on are not the counted model's (a speculative draft's, computed
+        after the target's forward): the tail."""
         for g in groups:
-            if g.src_rank == own_rank:
+            if g.layer >= num_layers:
+                self.tail.append(g)
+            elif g.src_rank == own_rank:
                 self.by_layer.setdefault(g.layer, []).append(g)
             elif g.layer + 1 < num_layers:
                 self.by_layer.setdefault(g.layer + 1, []).append(g)

@@ -28,7 +28,7 @@ import typing
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
-WIRE_VERSION = 2  # 2: OrderFailed.blame
+WIRE_VERSION = 3  # 2: OrderFailed.blame; 3: KVSpec.draft/draft_layers, PrefillOrder.last_token
 MAX_TOKENS = 1 << 20
 
 
@@ -50,6 +50,11 @@ class KVSpec:
     dtype: str
     layout: str
     tp: int
+    # Speculative decoding: which draft ("ALGORITHM:fingerprint", "" for none) and how many
+    # layers its KV pool adds (pages share the target's slots; region order: target layers,
+    # then the draft's).
+    draft: str = ""
+    draft_layers: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +101,9 @@ class Refuse(Message):
 @dataclass(frozen=True, slots=True)
 class PrefillOrder(Message):
     """Compute `token_ids` (the prompt without its last token) and write pages
-    [start_page, len(dst_pages)) of them into the decoder's pages `dst_pages`."""
+    [start_page, len(dst_pages)) of them into the decoder's pages `dst_pages`.
+    `last_token` is the prompt's last token: a speculative draft's KV at the last of
+    `token_ids` is computed from the token after it (SGLang's draft-extend convention)."""
 
     TYPE: ClassVar[str] = "prefill"
     rid: str
@@ -104,6 +111,7 @@ class PrefillOrder(Message):
     token_ids: tuple[int, ...]
     dst_pages: tuple[int, ...]
     start_page: int
+    last_token: int = 0
 
 
 class Blame(enum.Enum):

@@ -33,6 +33,8 @@ def _tensor(spec: ModelSpec, name: str, shape: tuple[int, ...], std: float) -> n
 
 
 def _weights(spec: ModelSpec) -> dict[str, np.ndarray]:
+    if spec.base is not None:
+        return _perturbed(spec)
     h, d = spec.hidden_size, spec.resolved_head_dim
     q_out, kv_out = spec.num_heads * d, spec.num_kv_heads * d
     ones = lambda n: np.ones((n,), dtype=np.float32)  # noqa: E731
@@ -63,6 +65,17 @@ def _weights(spec: ModelSpec) -> dict[str, np.ndarray]:
             for sub, n in (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)):
                 w[f"{p}self_attn.{sub}.bias"] = _tensor(spec, f"{p}self_attn.{sub}.bias", (n,), 0.1)
     return w
+
+
+def _perturbed(spec: ModelSpec) -> dict[str, np.ndarray]:
+    """A draft: its base's weights, each scaled elementwise by (1 + perturb * N(0, 1))."""
+    base = get_spec(spec.base)
+    shape = lambda s: (s.architecture, s.hidden_size, s.num_layers, s.num_heads, s.num_kv_heads,  # noqa: E731
+                       s.intermediate_size, s.vocab_size, s.resolved_head_dim)
+    if shape(spec) != shape(base):
+        raise ValueError(f"{spec.name}: a perturbed draft has its base {base.name}'s shape")
+    return {name: (w * (1.0 + _tensor(spec, f"perturb:{name}", w.shape, spec.perturb))).astype(np.float32)
+            for name, w in _weights(base).items()}
 
 
 def _config(spec: ModelSpec) -> dict:

@@ -31,6 +31,11 @@ class ModelSpec:
     head_dim: int | None = None
     max_position_embeddings: int = 4096
     seed: int = 0
+    # A draft for speculative decoding: `base`'s weights, each scaled by (1 + perturb * N(0, 1))
+    # from this spec's seed, so they differ from the target's (so does its KV) while its
+    # greedy choices mostly agree. Same shape as `base`.
+    base: str | None = None
+    perturb: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -47,6 +52,8 @@ class ModelSpec:
     @property
     def digest(self) -> str:
         payload = asdict(self) | {"generator": GENERATOR_VERSION}
+        if self.base is None:  # not a draft: the digest models had before drafts existed
+            del payload["base"], payload["perturb"]
         return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
     @property
@@ -66,6 +73,9 @@ BUILTIN_MODELS: dict[str, ModelSpec] = {
         # A third (biased q/k/v projections) for the streaming tests.
         ModelSpec("tiny-qwen2", Architecture.QWEN2, hidden_size=256, num_layers=4, num_heads=4,
                   num_kv_heads=2, intermediate_size=704, seed=3),
+        # tiny-llama's speculative draft (STANDALONE): its weights perturbed by 5%.
+        ModelSpec("tiny-llama-draft", Architecture.LLAMA, hidden_size=256, num_layers=4, num_heads=4,
+                  num_kv_heads=2, intermediate_size=704, seed=7, base="tiny-llama", perturb=0.05),
         # Large enough that prefill visibly stalls decode on a CPU core (benchmarks).
         ModelSpec("small-llama", Architecture.LLAMA, hidden_size=1024, num_layers=8, num_heads=16,
                   num_kv_heads=4, intermediate_size=2816, max_position_embeddings=8192, seed=2),

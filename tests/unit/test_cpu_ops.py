@@ -30,9 +30,9 @@ def test_copy_all_layer_kv_cache():
 
 
 def test_unavailable_op_fails_when_called_not_when_imported():
-    from sglang_disagg.cpu_ops import verify_tree_greedy_cpu  # import must work (SGLang imports it at load)
+    from sglang_disagg.cpu_ops import rotate_input_ids_cpu  # import must work (SGLang imports it at load)
 
-    with pytest.raises(NotImplementedError, match="verify_tree_greedy_cpu"):
-        verify_tree_greedy_cpu()
+    with pytest.raises(NotImplementedError, match="rotate_input_ids_cpu"):
+        rotate_input_ids_cpu()
     with pytest.raises(AttributeError):
         cpu_ops.not_an_op  # noqa: B018

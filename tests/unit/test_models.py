@@ -39,7 +39,7 @@ def test_tokenizer_covers_the_whole_vocab_and_round_trips(tmp_path):
 def test_specs_are_gqa_and_validated():
     for spec in BUILTIN_MODELS.values():
         assert spec.num_heads > spec.num_kv_heads  # grouped-query attention
-    with pytest.raises(ValueError, match="known: small-llama, tiny-llama, tiny-qwen2, tiny-qwen3"):
+    with pytest.raises(ValueError, match="known: small-llama, tiny-llama, tiny-llama-draft, tiny-qwen2, tiny-qwen3"):
         get_spec("nope")
 
 
@@ -48,3 +48,19 @@ def test_resolve_model_path_errors(tmp_path):
         resolve_model_path(str(tmp_path / "missing"))
     with pytest.raises(FileNotFoundError, match="no config.json"):
         resolve_model_path(str(tmp_path))
+
+
+def test_draft_is_its_base_perturbed():
+    """tiny-llama-draft: tiny-llama's shape and tokenizer, every weight different, close."""
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    base = load_file(str(ensure_model("tiny-llama") / "model.safetensors"))
+    draft = load_file(str(ensure_model("tiny-llama-draft") / "model.safetensors"))
+    assert base.keys() == draft.keys()
+    for name, w in base.items():
+        d = draft[name]
+        assert d.shape == w.shape and not np.array_equal(d, w), name
+        assert np.abs(d - w).max() <= 0.5 * np.abs(w).max(), name
+    assert (ensure_model("tiny-llama-draft") / "tokenizer.json").read_bytes() == \
+        (ensure_model("tiny-llama") / "tokenizer.json").read_bytes()

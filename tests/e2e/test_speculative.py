@@ -1,0 +1,222 @@
+"""Speculative decoding across the boundary (STANDALONE draft, one step, top-k 1).
+
+The exact reference is a colocated server with the same speculative configuration and the
+messenger's page size: a disaggregated run must give its tokens and, per request, its
+verification counts (steps, and how many steps accepted 0 or 1 draft token): the draft
+reads on the decoder exactly the KV it would have computed itself. The draft is the
+built-in `tiny-llama-draft` (tiny-llama's weights perturbed by 5%: its KV differs from the
+target's, its greedy choices mostly agree). Checked too: the tokens equal a colocated
+server's without speculation; the decoder's draft KV for the prompt equals, byte for byte,
+the colocated server's (SGLANG_DISAGG_KV_DUMP); writes per request are the planner's count
+with the draft's layers; zeroing the draft's KV on the decoder changes the acceptance
+(the comparison can fail); a decoder without the draft is refused at first contact, naming
+it; a control connection dropped mid-transfer frees every page on both sides.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+import types
+
+import pytest
+import torch
+
+from sglang_disagg.backends import BackendConfig, auth, create_backend
+from sglang_disagg.launch import LaunchConfig, Role, Stack
+from sglang_disagg.launch.client import greedy, post_json
+from sglang_disagg.messenger import wire
+from sglang_disagg.messenger.faults import ENV as FAULT_ENV
+from sglang_disagg.messenger.links import REFUSED_MARK, LinkState, Links
+from sglang_disagg.messenger.planner import pages_for
+from sglang_disagg.kvdump import ENV as DUMP_ENV
+
+from .conftest import COMMON_ARGS, OUTPUT_TOKENS, _ports, prompts_for
+from .faultlib import FAULT_DEADLINE_S, Call, long_prompt, scrape, total, value, wait_for, wait_released
+
+pytestmark = pytest.mark.e2e
+
+SPEC = ("--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "tiny-llama-draft",
+        "--speculative-num-steps", "1", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "2")
+PAGE = 16
+LAYERS, DRAFT_LAYERS = 4, 4  # tiny-llama and its draft
+STATS = ("spec_verify_ct", "spec_correct_drafts_histogram", "completion_tokens")
+
+
+def _start(root, role: Role, env=(), **kw) -> Stack:
+    port = next(_ports)
+    secret = root / "secret"
+    if not secret.exists():
+        secret.write_text(auth.new_secret() + "\n")
+        secret.chmod(0o600)
+    cfg = LaunchConfig(role=role, model="tiny-llama", port=port, max_total_tokens=4096, page_size=PAGE,
+                       extra_args=COMMON_ARGS + SPEC, env=tuple(env), log_dir=str(root / f"{role.value}-{port}"),
+                       secret_file=str(secret), **kw)
+    stack = Stack.for_config(cfg)
+    stack.start()
+    return stack
+
+
+def _run(url: str, prompts, rid: str | None = None) -> list[tuple[list[int], dict]]:
+    out = []
+    for i, p in enumerate(prompts):
+        extra = {"rid": f"kvdump-{rid}-{i}"} if rid else {}
+        r = post_json(f"{url}/generate", {"input_ids": p, "sampling_params": greedy(OUTPUT_TOKENS), **extra})
+        out.append((list(r["output_ids"]), {k: r["meta_info"].get(k) for k in STATS}))
+    return out
+
+
+@pytest.fixture(scope="module")
+def spec_reference(tmp_path_factory, references, stacks):
+    """Colocated speculative outputs and stats, and its KV dumps (rid kvdump-col-i)."""
+    references("tiny-llama")
+    stacks.close()
+    root = tmp_path_factory.mktemp("spec")
+    dumps = root / "dumps"
+    dumps.mkdir()
+    prompts = prompts_for("tiny-llama")
+    stack = _start(root, Role.COLOCATED, env=((DUMP_ENV, str(dumps)),))
+    try:
+        # Through the server's own port: the rid names the dump file.
+        out = _run(stack.url, prompts, rid="col")
+    finally:
+        stack.stop()
+    return prompts, out, dumps, root
+
+
+def _writes(stack: Stack) -> float:
+    """KV writes the decoder counted (its metrics endpoint: live)."""
+    return value(scrape("127.0.0.1", stack.cfg.ports.decode_metrics), "sglang_disagg_kv_writes_total")
+
+
+def _idle(stack: Stack) -> bool:
+    s = scrape("127.0.0.1", stack.cfg.ports.decode_metrics)
+    return total(s, "sglang_disagg_requests_in_flight") == 0
+
+
+def _carried(prompts) -> list[int]:
+    return [i for i, p in enumerate(prompts) if len(p) >= 2]
+
+
+@pytest.mark.parametrize("backend,provider", [("libfabric", "shm"), ("shmem", None)])
+def test_speculative_messenger_matches_colocated_speculation(spec_reference, references, backend, provider):
+    prompts, expected, dumps, root = spec_reference
+    _, plain = references("tiny-llama")
+    stack = _start(root, Role.ALL, env=((DUMP_ENV, str(dumps)),), backend=backend, provider=provider)
+    try:
+        decoder = f"http://127.0.0.1:{stack.cfg.ports.decode}"
+        wait_for("the readiness probe's request handed off", lambda: _idle(stack))
+        before = _writes(stack)
+        got = _run(decoder, prompts, rid=f"dis-{backend}")
+        wait_for("the counters published", lambda: _idle(stack))
+        writes = _writes(stack) - before
+        recent = stack.messenger_stats("decode")["recent"]
+        via_router = _run(stack.url, prompts[:3])
+    finally:
+        stack.stop()
+    for i, ((tokens, stats), (ref_tokens, ref_stats)) in enumerate(zip(got, expected)):
+        assert tokens == ref_tokens, f"prompt {i} ({len(prompts[i])} tokens): {tokens} != colocated {ref_tokens}"
+        assert stats == ref_stats, f"prompt {i} ({len(prompts[i])} tokens): {stats} != colocated {ref_stats}"
+        assert tokens == plain[i], f"prompt {i}: speculation changed the tokens"
+    assert [t for t, _ in via_router] == [t for t, _ in expected[:3]]
+    assert sum(s["spec_correct_drafts_histogram"][1] for _, s in got) > 0, "the draft never agreed"
+    # Each carried request's pages (all but those its radix tree held: the shared prefix's
+    # first chunk, the repeated prompt), once per layer of both models, K and V.
+    mine = recent[-len(_carried(prompts)):]
+    assert [r["tokens"] for r in mine] == [len(prompts[i]) - 1 for i in _carried(prompts)]
+    assert all(r["pages"] == pages_for(r["tokens"], PAGE) for r in mine)
+    assert sum(r["reused"] for r in mine) > 0
+    want = sum(r["pages"] - r["reused"] for r in mine)
+    assert writes == want * (LAYERS + DRAFT_LAYERS) * 2
+    # The KV the decoder holds for the prompt (all but its last token) is the colocated
+    # server's: byte for byte where both computed it in the same GEMM shapes (orders of a page
+    # or more); a 1- or 3-token order runs its GEMMs on 1 or 3 rows where the colocated
+    # prefill had 2 or 4, and float32 rounds those differently (~1e-6, against ~5 between
+    # the target's and the draft's KV, so a swapped or stale pool cannot pass).
+    for i in _carried(prompts):
+        col = torch.load(dumps / f"kvdump-col-{i}.pt")
+        dis = torch.load(dumps / f"kvdump-dis-{backend}-{i}.pt")
+        for part in ("target", "draft"):
+            for layer, (a, b) in enumerate(zip(col[part], dis[part])):
+                for kind, x, y in (("K", a[0], b[0]), ("V", a[1], b[1])):
+                    where = f"prompt {i} ({len(prompts[i])} tokens): {part} layer {layer} {kind}"
+                    if len(prompts[i]) - 1 >= PAGE:
+                        assert torch.equal(x, y), f"{where} differs from colocated"
+                    assert (x - y).abs().max() <= 1e-5, f"{where} differs from colocated"
+        assert (col["draft"][0][0] - col["target"][0][0]).abs().max() > 1.0  # the draft's KV is its own
+
+
+def test_zeroed_draft_kv_changes_the_acceptance(spec_reference):
+    """The negative control: the decoder zeroes the draft's layers (4..7 of its 8) of what it
+    received. Verification keeps the tokens; the acceptance must change."""
+    prompts, expected, _, root = spec_reference
+    env = ((FAULT_ENV, f"zero_kv:layers=last:{DRAFT_LAYERS}"),)
+    stack = _start(root, Role.ALL, env=env, backend="libfabric", provider="shm")
+    try:
+        got = _run(stack.url, prompts)
+    finally:
+        stack.stop()
+    assert [t for t, _ in got] == [t for t, _ in expected]
+    changed = [i for i in _carried(prompts) if got[i][1] != expected[i][1]]
+    assert len(changed) >= len(_carried(prompts)) // 2, f"only prompts {changed} changed acceptance"
+
+
+def test_first_contact_names_the_draft_and_a_fault_frees_every_page(spec_reference, references):
+    prompts, expected, _, root = spec_reference
+    stack = _start(root, Role.ALL, backend="libfabric", provider="shm")
+    try:
+        # A decoder without the draft, against the live prefill server: refused, naming it.
+        secret = auth.load_secret({auth.SECRET_FILE_ENV: stack.cfg.secret_file})
+        backend = create_backend("libfabric", BackendConfig(provider="shm", host="127.0.0.1", port=0, secret=secret))
+        kv = wire.KVSpec(model="tiny-llama", fingerprint="0", num_layers=LAYERS, kv_heads=2, head_dim=64,
+                         v_head_dim=64, page_size=PAGE, dtype="float32", layout="hnd", tp=1)
+        hello = wire.Hello(decoder="test", backend="libfabric", provider="shm", kv=kv, ranks=())
+        target = f"127.0.0.1:{stack.cfg.ports.bootstrap}"
+        links = Links(types.SimpleNamespace(backend=backend), hello, (target,), 5.0)
+        stop = threading.Event()
+
+        def read() -> None:
+            while not stop.is_set():
+                try:
+                    peer, raw = backend.recv(0.1)
+                except Exception:  # noqa: BLE001 - nothing yet, or closed
+                    continue
+                links.on_message(peer, wire.decode(raw))
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        try:
+            link = links.links[target]
+            wait_for("a refusal", lambda: link.state is LinkState.REFUSED, 10, 0.01)
+        finally:
+            stop.set()
+            reader.join()
+            links.close()
+            backend.close()
+        assert REFUSED_MARK in link.reason
+        assert "speculative draft differs (decoder: none, prefill: STANDALONE:" in link.reason, link.reason
+
+        # The control connection dropped while a long prompt's target and draft KV are in flight.
+        # (The router retries what the decoder fails: the client may get an answer.)
+        writes = lambda: value(scrape("127.0.0.1", stack.cfg.ports.prefill_metrics),  # noqa: E731
+                               "sglang_disagg_kv_writes_total")
+        failed = lambda: value(scrape("127.0.0.1", stack.cfg.ports.decode_metrics),  # noqa: E731
+                               "sglang_disagg_requests_total", outcome="failed")
+        before, failed_before = writes(), failed()
+        call = Call(stack.url, long_prompt(2000, 18), 4)
+        wait_for("prefill writing", lambda: writes() > before, 30, 0.005)
+        t0 = time.monotonic()
+        subprocess.run(["ss", "-K", "dst", "127.0.0.1", "dport", "=", f":{stack.cfg.ports.bootstrap}"],
+                       capture_output=True, check=True)
+        call.result()
+        assert failed() == failed_before + 1  # the decoder failed it mid-transfer (the router may retry it)
+        _, leak_d = wait_released("127.0.0.1", stack.cfg.ports.decode_metrics, t0, FAULT_DEADLINE_S + 3)
+        _, leak_p = wait_released("127.0.0.1", stack.cfg.ports.prefill_metrics, t0, FAULT_DEADLINE_S + 3)
+        assert leak_d == 0 and leak_p == 0
+        wait_for("the link back", lambda: {v["state"] for v in
+                                           (stack.messenger_stats("decode") or {}).get("links", {}).values()}
+                 == {"ready"}, 10, 0.1)
+        got = _run(stack.url, [prompts[3]])
+        assert got[0] == expected[3]
+    finally:
+        stack.stop()

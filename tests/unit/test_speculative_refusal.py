@@ -1,0 +1,89 @@
+"""Speculative decoding the messenger does not carry is refused at start-up, never served cold."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from sglang_disagg.launch.__main__ import parse
+from sglang_disagg.messenger.speculative import UnsupportedSpeculation, check_argv, check_server_args
+
+SPEC = [["--speculative-algorithm", "EAGLE"], ["--speculative-algorithm=eagle3"],
+        ["--speculative-algorithm", "NGRAM"], ["--speculative-algorithm=NEXTN"]]
+
+
+@pytest.mark.parametrize("spec", SPEC, ids=lambda a: a[0].split("=")[0] + ("=" if "=" in a[0] else ""))
+@pytest.mark.parametrize("role", ["all", "prefill", "decode"])
+def test_launcher_refuses_speculation_in_messenger_mode(role, spec):
+    extra = ["--prefill-messenger", "127.0.0.1:1"] if role == "decode" else []
+    with pytest.raises(UnsupportedSpeculation, match="not carried by the messenger.*--role colocated"):
+        parse(["--role", role, *extra, *spec])
+
+
+def test_colocated_and_upstream_keep_speculation():
+    cfg, _ = parse(["--role", "colocated", "--speculative-algorithm", "EAGLE"])
+    assert "--speculative-algorithm" in cfg.extra_args
+    cfg, _ = parse(["--role", "all", "--mode", "upstream", "--speculative-algorithm", "EAGLE"])
+    assert "--speculative-algorithm" in cfg.extra_args
+
+
+def test_names_the_algorithm():
+    with pytest.raises(UnsupportedSpeculation, match=r"\(EAGLE\).*Algorithms it carries: STANDALONE"):
+        check_argv(["--speculative-algorithm", "eagle"])
+    check_argv(["--speculative-algorithm", "standalone", "--speculative-draft-model-path", "/d"])
+    check_server_args(SimpleNamespace(speculative_algorithm="STANDALONE"))
+    with pytest.raises(UnsupportedSpeculation, match=r"\(EAGLE3\)"):
+        check_server_args(SimpleNamespace(speculative_algorithm="EAGLE3"))
+    check_argv(["--chunked-prefill-size", "64"])
+    check_server_args(SimpleNamespace(speculative_algorithm=None))
+
+
+def test_launcher_exits_with_the_reason_before_starting_anything():
+    """The user's path: the launcher prints the refusal and exits non-zero at once."""
+    out = subprocess.run([sys.executable, "-m", "sglang_disagg.launch", "--role", "all", "--dry-run",
+                          "--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "/x"],
+                         capture_output=True, text=True, timeout=60, env=dict(os.environ))
+    assert out.returncode != 0
+    assert "speculative decoding (EAGLE) is not carried by the messenger" in out.stderr + out.stdout
+
+
+def test_builtin_draft_names_resolve_to_their_directory():
+    from sglang_disagg.messenger.speculative import with_draft_paths
+    from sglang_disagg.models import ensure_model
+
+    path = str(ensure_model("tiny-llama-draft"))
+    assert with_draft_paths(["--speculative-draft-model-path", "tiny-llama-draft", "--x", "tiny-llama-draft"]) == \
+        ["--speculative-draft-model-path", path, "--x", "tiny-llama-draft"]
+    assert with_draft_paths(["--speculative-draft-model-path=tiny-llama-draft"]) == \
+        [f"--speculative-draft-model-path={path}"]
+    assert with_draft_paths(["--speculative-draft-model-path", "/my/draft"]) == ["--speculative-draft-model-path",
+                                                                                 "/my/draft"]
+
+
+def _pool(layers: int, heads: int = 2, dim: int = 64, page: int = 16):
+    import torch
+
+    bufs = lambda: [torch.zeros(4, heads, page, dim) for _ in range(layers)]  # noqa: E731 - HND
+    return SimpleNamespace(use_hnd=True, k_buffer=bufs(), v_buffer=bufs(), layer_num=layers, head_dim=dim,
+                           v_head_dim=dim, page_size=page)
+
+
+def test_the_draft_pool_is_planned_after_the_target_and_compared_at_first_contact():
+    from sglang_disagg.messenger import compat
+    from sglang_disagg.messenger.kvpool import KVPoolView, LayoutError
+
+    target, draft = _pool(4), _pool(2)
+    view = KVPoolView.from_pool(target, 2, draft)
+    assert view.geometry.num_layers == 6 and view.target_layers == 4 and view.draft_layers == 2
+    assert view.tensors[8] is draft.k_buffer[0] and view.tensors[11] is draft.v_buffer[1]
+    with_draft = view.spec("m", "f", 1, "STANDALONE:abc")
+    without = KVPoolView.from_pool(target, 2).spec("m", "f", 1)
+    assert with_draft.num_layers == without.num_layers == 4 and with_draft.draft_layers == 2
+    assert compat.differences(without, with_draft) == [
+        "speculative draft differs (decoder: none, prefill: STANDALONE:abc)", "draft_layers differs (decoder: 0, prefill: 2)"]
+    with pytest.raises(LayoutError, match=r"speculative draft's KV pool .* differs from the target's"):
+        KVPoolView.from_pool(target, 2, _pool(2, heads=1))
