@@ -2,7 +2,9 @@
 
 State of each patch is found by walking the series backwards on a scratch copy of the
 touched files: a patch that reverse-applies is *applied* (and is reversed, to look at the
-one before it), one that forward-applies is *not applied*, anything else is *conflicting*.
+one before it), one that forward-applies is *not applied*, anything else is *conflicting*
+(unless nothing is applied and the series applies in order: a patch may build on the lines of
+an earlier one).
 After a successful apply a marker ``sglang/.sglang_disagg_patches.json`` records the series
 digest and the resulting file hashes, so ``status`` can answer without running git.
 """
@@ -125,6 +127,11 @@ def analyze(inst: Installed, pd: PatchDir, *, use_marker: bool = True) -> Report
                 states.append((patch.name, State.NOT_APPLIED))
             else:
                 states.append((patch.name, State.CONFLICTING))
+        if all(state is not State.APPLIED for _, state in states) and all(
+                sc.try_apply(patch)[0] for patch in patches):
+            # Nothing is applied and the series applies in order: a patch that read as
+            # conflicting only needs the ones before it (its context is theirs).
+            states = [(name, State.NOT_APPLIED) for name, _ in states]
     return Report(inst, pinned, tuple(reversed(states)), False)
 
 

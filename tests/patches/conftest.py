@@ -124,6 +124,7 @@ def patch_sets(releases: dict[str, Upstream], tmp_path_factory: pytest.TempPathF
 
     * ``new-version``: on NEW, appends a comment to sglang/version.py
     * ``new-version-v2``: the same patch, edited (another comment)
+    * ``new-stacked``: that edited patch + one whose context is its line (a stacked series)
     * ``old-clean``: on OLD, that patch + a comment on a line that only moved in NEW
     * ``old-conflict``: on OLD, that patch + an edit of a line that NEW changed
     * ``old-3way``: on OLD, that patch + an edit whose context NEW changed (3-way merge needed)
@@ -142,6 +143,11 @@ def patch_sets(releases: dict[str, Upstream], tmp_path_factory: pytest.TempPathF
             env = {**os.environ, **AUTHOR_ENV}
             subprocess.run(["git", "commit", "-q", "-a", "--amend", "--no-edit"], cwd=ws, env=env, check=True)
             sets["new-version-v2"] = _export(root, ws, base / "new-version-v2")
+            # A second patch whose context is the first one's line: it applies only after it.
+            edit(ws / "sglang" / "version.py", "# sglang-disagg: test patch v2\n",
+                 "# sglang-disagg: test patch v2\n# sglang-disagg: stacked\n")
+            git_commit_all(ws, "test: stack on the mark", "Needs the patch before it.")
+            sets["new-stacked"] = _export(root, ws, base / "new-stacked")
             continue
         edit(ws / DISAGG_UTILS, STABLE_LINE, STABLE_LINE.rstrip("\n") + "  # sglang-disagg: stable\n")
         git_commit_all(ws, "disagg: comment a stable import", "Applies to 0.5.22 and 0.5.23.")

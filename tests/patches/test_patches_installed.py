@@ -198,3 +198,21 @@ def test_repo_root_found_from_cwd(version_patch_repo: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "ok   series: 1 patch(es)" in proc.stdout
+
+
+def test_apply_a_stacked_series_to_a_pristine_copy(
+    make_repo: Callable[..., Path], patch_sets: dict[str, Path], make_site_packages: Callable[..., Path],
+    cli: Callable[..., Cli],
+) -> None:
+    """A patch built on an earlier patch's lines does not apply to pristine on its own: on a
+    fresh install it reads as not applied (not conflicting) and the series applies in order."""
+    repo = ("--repo-root", str(make_repo(NEW, patch_sets["new-stacked"])))
+    sp = make_site_packages(NEW)
+    pristine = (sp / VERSION_PY).read_text()
+    res = cli(*repo, "status", "--site-packages", str(sp))
+    assert res.rc == 1 and "conflicting" not in res.out and res.out.count("not applied") == 2, res.out
+    res = cli(*repo, "apply", "--site-packages", str(sp))
+    assert res.rc == 0 and "applied 2 patch(es)" in res.out, res.out + res.err
+    assert (sp / VERSION_PY).read_text() == pristine + "# sglang-disagg: test patch v2\n# sglang-disagg: stacked\n"
+    res = cli(*repo, "status", "--site-packages", str(sp))
+    assert res.rc == 0 and res.out.count("applied      ") == 2, res.out
