@@ -18,7 +18,7 @@ check-patches: setup
 	$(PY) -m sglang_disagg.patches export --check
 
 test: setup check-patches
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(PY) -m pytest tests --durations=25 $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) benchmarks/transfer.py --out results/transfer

@@ -84,8 +84,21 @@ class StackSpec:
                 f"{self.model}-tp{self.prefill_tp}{self.decode_tp}")
 
 
+def next_port() -> int:
+    """The next block of ten ports for a stack, skipping a block where something already
+    listens: SGLang's internal listeners take ports of their own, which can land in a block
+    the counter has not handed out yet (seen once: a colocated server's port in use)."""
+    from sglang_disagg.launch.preflight import _held
+
+    for _ in range(20):
+        port = next(_ports)
+        if not any(_held("127.0.0.1", p) for p in range(port, port + 10)):
+            return port
+    raise RuntimeError("20 blocks of ten test ports in a row are in use: is an earlier stack still running?")
+
+
 def start_stack(tmp_root: Path, spec: StackSpec, **kwargs) -> Stack:
-    port = next(_ports)
+    port = next_port()
     cfg = LaunchConfig(
         role=spec.role, model=spec.model, port=port, mode=spec.mode, backend=spec.backend, provider=spec.provider,
         prefill_tp=spec.prefill_tp, decode_tp=spec.decode_tp, max_total_tokens=4096, extra_args=COMMON_ARGS,

@@ -32,7 +32,7 @@ from sglang_disagg.messenger.links import REFUSED_MARK, LinkState, Links
 from sglang_disagg.messenger.planner import pages_for
 from sglang_disagg.kvdump import ENV as DUMP_ENV
 
-from .conftest import COMMON_ARGS, OUTPUT_TOKENS, _ports, prompts_for
+from .conftest import COMMON_ARGS, OUTPUT_TOKENS, next_port, prompts_for
 from .faultlib import FAULT_DEADLINE_S, Call, long_prompt, scrape, total, value, wait_for, wait_released
 
 pytestmark = pytest.mark.e2e
@@ -45,7 +45,7 @@ STATS = ("spec_verify_ct", "spec_correct_drafts_histogram", "completion_tokens")
 
 
 def _start(root, role: Role, env=(), **kw) -> Stack:
-    port = next(_ports)
+    port = next_port()
     secret = root / "secret"
     if not secret.exists():
         secret.write_text(auth.new_secret() + "\n")
