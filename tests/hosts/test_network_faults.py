@@ -233,7 +233,9 @@ def test_a_prefill_host_cut_off_fails_what_it_was_writing_which_the_router_retri
     requests with new pages, goes to the other prefill host), and keeps their pages out of
     use (quarantine) until the host answers. The cable comes back at the end: the host
     confirms, the pages are freed and it serves again."""
-    (a_prompt, a_out), (b_prompt, b_out), (c_prompt, c_out) = longs["long-4"], longs["medium-2"], longs["medium-1"]
+    # b is long too: still being written when c is routed (a medium b could land first, and
+    # then c went to the idle prefill-b: seen once in CI).
+    (a_prompt, a_out), (b_prompt, b_out), (c_prompt, c_out) = longs["long-4"], longs["long-5"], longs["medium-1"]
     failed, quarantined = nf.outcome("failed"), nf.stats().get("pages_quarantined", 0)
     a = nf.mid_transfer("prefill-0", a_prompt, LONG_OUTPUT)
     b = nf.mid_transfer("prefill-1", b_prompt, LONG_OUTPUT)  # the decoder routes to the least busy
