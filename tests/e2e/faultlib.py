@@ -106,3 +106,36 @@ def row(case: str, time_to_error: float | None, pages_leaked: float, next_ok: bo
 
 
 SIGSTOP, SIGCONT, SIGKILL = signal.SIGSTOP, signal.SIGCONT, signal.SIGKILL
+
+
+def first_contact(backend, hello, target: str, timeout: float = 10.0):
+    """Say `hello` from `backend` (a hand-made decoder) to the prefill messenger at `target`,
+    reading answers as a decoder's control thread does, until the link is refused; returns
+    (the link, seconds it took). Closes the backend."""
+    import types
+
+    from sglang_disagg.messenger import wire
+    from sglang_disagg.messenger.links import LinkState, Links
+
+    t0 = time.monotonic()
+    links = Links(types.SimpleNamespace(backend=backend), hello, (target,), 5.0)
+    stop = threading.Event()
+
+    def read() -> None:
+        while not stop.is_set():
+            try:
+                peer, raw = backend.recv(0.1)
+            except Exception:  # noqa: BLE001 - nothing yet, or closed
+                continue
+            links.on_message(peer, wire.decode(raw))
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        link = links.links[target]
+        wait_for("a refusal", lambda: link.state is LinkState.REFUSED, timeout, 0.01)
+        return link, time.monotonic() - t0
+    finally:
+        stop.set()
+        reader.join()
+        links.close()
+        backend.close()

@@ -17,7 +17,6 @@ from __future__ import annotations
 import subprocess
 import threading
 import time
-import types
 import urllib.request
 
 import pytest
@@ -26,11 +25,11 @@ from sglang_disagg.backends import BackendConfig, auth, create_backend
 from sglang_disagg.launch import LaunchConfig, Role, Stack
 from sglang_disagg.launch.client import generate_ids
 from sglang_disagg.messenger import wire
-from sglang_disagg.messenger.links import REFUSED_MARK, LinkState, Links
+from sglang_disagg.messenger.links import REFUSED_MARK
 
 from .conftest import COMMON_ARGS, OUTPUT_TOKENS, _ports
-from .faultlib import (FAULT_DEADLINE_S, SIGCONT, SIGKILL, SIGSTOP, Call, long_prompt, row, scrape, signal_group,
-                       value, wait_for, wait_released)
+from .faultlib import (FAULT_DEADLINE_S, SIGCONT, SIGKILL, SIGSTOP, Call, first_contact, long_prompt, row, scrape,
+                       signal_group, value, wait_for, wait_released)
 
 pytestmark = pytest.mark.e2e
 
@@ -257,29 +256,7 @@ def test_first_contact_refuses_a_decoder_that_disagrees(fs, case):
     kv = wire.KVSpec(model="tiny-llama", fingerprint="0", num_layers=4, kv_heads=2, head_dim=64, v_head_dim=64,
                      page_size=32, dtype="torch.float32", layout="hnd", tp=1)
     hello = wire.Hello(decoder="test", backend="libfabric", provider=provider, kv=kv, ranks=())
-    target = fs.addr(fs.p2)
-    t0 = time.monotonic()
-    links = Links(types.SimpleNamespace(backend=backend), hello, (target,), 5.0)
-    stop = threading.Event()
-
-    def read() -> None:  # what the decoder's control thread does: answers to first contact go to Links
-        while not stop.is_set():
-            try:
-                peer, raw = backend.recv(0.1)
-            except Exception:  # noqa: BLE001 - nothing yet, or closed
-                continue
-            links.on_message(peer, wire.decode(raw))
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    try:
-        link = links.links[target]
-        wait_for("a refusal", lambda: link.state is LinkState.REFUSED, 10, 0.01)
-        tte = time.monotonic() - t0
-    finally:
-        stop.set()
-        reader.join()
-        links.close()
-        backend.close()
+    link, tte = first_contact(backend, hello, fs.addr(fs.p2))
     assert REFUSED_MARK in link.reason
     assert ("libfabric/tcp" in link.reason and "libfabric/shm" in link.reason) if case == "provider" else \
         "page_size differs (decoder: 32, prefill: 16)" in link.reason, link.reason

@@ -16,9 +16,7 @@ it; a control connection dropped mid-transfer frees every page on both sides.
 from __future__ import annotations
 
 import subprocess
-import threading
 import time
-import types
 
 import pytest
 import torch
@@ -28,12 +26,13 @@ from sglang_disagg.launch import LaunchConfig, Role, Stack
 from sglang_disagg.launch.client import greedy, post_json
 from sglang_disagg.messenger import wire
 from sglang_disagg.messenger.faults import ENV as FAULT_ENV
-from sglang_disagg.messenger.links import REFUSED_MARK, LinkState, Links
+from sglang_disagg.messenger.links import REFUSED_MARK
 from sglang_disagg.messenger.planner import pages_for
 from sglang_disagg.kvdump import ENV as DUMP_ENV
 
 from .conftest import COMMON_ARGS, OUTPUT_TOKENS, next_port, prompts_for
-from .faultlib import FAULT_DEADLINE_S, Call, long_prompt, scrape, total, value, wait_for, wait_released
+from .faultlib import (FAULT_DEADLINE_S, Call, first_contact, long_prompt, scrape, total, value, wait_for,
+                       wait_released)
 
 pytestmark = pytest.mark.e2e
 
@@ -172,27 +171,7 @@ def test_first_contact_names_the_draft_and_a_fault_frees_every_page(spec_referen
         kv = wire.KVSpec(model="tiny-llama", fingerprint="0", num_layers=LAYERS, kv_heads=2, head_dim=64,
                          v_head_dim=64, page_size=PAGE, dtype="float32", layout="hnd", tp=1)
         hello = wire.Hello(decoder="test", backend="libfabric", provider="shm", kv=kv, ranks=())
-        target = f"127.0.0.1:{stack.cfg.ports.bootstrap}"
-        links = Links(types.SimpleNamespace(backend=backend), hello, (target,), 5.0)
-        stop = threading.Event()
-
-        def read() -> None:
-            while not stop.is_set():
-                try:
-                    peer, raw = backend.recv(0.1)
-                except Exception:  # noqa: BLE001 - nothing yet, or closed
-                    continue
-                links.on_message(peer, wire.decode(raw))
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
-        try:
-            link = links.links[target]
-            wait_for("a refusal", lambda: link.state is LinkState.REFUSED, 10, 0.01)
-        finally:
-            stop.set()
-            reader.join()
-            links.close()
-            backend.close()
+        link, _ = first_contact(backend, hello, f"127.0.0.1:{stack.cfg.ports.bootstrap}")
         assert REFUSED_MARK in link.reason
         assert "speculative draft differs (decoder: none, prefill: STANDALONE:" in link.reason, link.reason
 
