@@ -1,11 +1,11 @@
 """Speculative decoding across the boundary: acceptance and decode speed per user.
 
-    python benchmarks/speculative.py --out DIR [--prompts 8] [--output-tokens 64]
+    python benchmarks/speculative.py --out DIR [--algorithm STANDALONE|EAGLE] [--prompts 8] [--output-tokens 64]
 
-Three configurations, one after another on this machine, tiny-llama float32, chunked
-prefill 64, the messenger's page size (16) everywhere: ``colocated_spec`` (one SGLang
-server with STANDALONE speculation: the built-in draft tiny-llama-draft, one step, top-k 1,
-two draft tokens), ``messenger_spec`` (--role all, libfabric shm, the same speculation: the
+Four configurations, one after another on this machine, float32, chunked prefill 64, the
+messenger's page size (16) everywhere: ``colocated_spec`` (one SGLang server with
+speculation, one step, top-k 1, two draft tokens: STANDALONE, tiny-llama with the built-in
+draft tiny-llama-draft; or EAGLE, tiny-llama-1l with its built-in head tiny-llama-1l-eagle), ``messenger_spec`` (--role all, libfabric shm, the same speculation: the
 draft's KV crosses with the target's), ``messenger_spec_cold_draft`` (the same, the decoder
 zeroing the draft's layers of what it received: a draft whose state did not cross) and
 ``messenger`` (--role all without speculation).
@@ -13,8 +13,9 @@ Requests are sequential (one user), streamed, each prompt new to every server; p
 decode tokens/s = (output tokens - 1) / (last token's arrival - first token's), the
 acceptance length (SGLang's spec_accept_length: tokens per verify step, 1 to 2 here) and the
 output ids (every configuration must give the same). Writes DIR/speculative.json and
-DIR/speculative.png. Both models are the same size (the draft is the target perturbed), so
-on CPU speculation costs more than it saves: the figures measure what the messenger changes
+DIR/speculative.png (EAGLE: speculative-eagle.json/png). The STANDALONE draft is the
+target's size (the target perturbed), the EAGLE head a one-layer target's size, so on CPU
+speculation costs about what it saves: the figures measure what the messenger changes
 (acceptance, per-step cost), not a speed-up.
 """
 
@@ -37,16 +38,23 @@ from sglang_disagg.launch.client import greedy
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from single_request import prompt_of  # noqa: E402
 
-SPEC = ("--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "tiny-llama-draft",
-        "--speculative-num-steps", "1", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "2")
+ONE_STEP = ("--speculative-num-steps", "1", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "2")
 COMMON = ("--chunked-prefill-size", "64", "--dtype", "float32")
-CONFIGS = {
-    "colocated_spec": (Role.COLOCATED, SPEC, ()),
-    "messenger_spec": (Role.ALL, SPEC, ()),
-    # What a decoder would see if the draft's KV did not cross: the draft's layers zeroed.
-    "messenger_spec_cold_draft": (Role.ALL, SPEC, (("SGLANG_DISAGG_FAULT", "zero_kv:layers=last:4"),)),
-    "messenger": (Role.ALL, (), ()),
-}
+# algorithm -> (target, draft, the draft's layers, results file stem)
+DRAFTS = {"STANDALONE": ("tiny-llama", "tiny-llama-draft", 4, "speculative"),
+          "EAGLE": ("tiny-llama-1l", "tiny-llama-1l-eagle", 1, "speculative-eagle")}
+
+
+def configs(algorithm: str) -> dict:
+    _, draft, layers, _ = DRAFTS[algorithm]
+    spec = ("--speculative-algorithm", algorithm, "--speculative-draft-model-path", draft) + ONE_STEP
+    return {
+        "colocated_spec": (Role.COLOCATED, spec, ()),
+        "messenger_spec": (Role.ALL, spec, ()),
+        # What a decoder would see if the draft's KV did not cross: the draft's layers zeroed.
+        "messenger_spec_cold_draft": (Role.ALL, spec, (("SGLANG_DISAGG_FAULT", f"zero_kv:layers=last:{layers}"),)),
+        "messenger": (Role.ALL, (), ()),
+    }
 
 
 def stream(url: str, prompt: list[int], n: int) -> dict:
@@ -73,16 +81,16 @@ def stream(url: str, prompt: list[int], n: int) -> dict:
             "accept_length": meta.get("spec_accept_length"), "output_ids": ids}
 
 
-def run(name: str, prompts: list[list[int]], n: int, root: Path, port: int) -> list[dict]:
-    role, spec, env = CONFIGS[name]
-    cfg = LaunchConfig(role=role, model="tiny-llama", port=port, max_total_tokens=8192, page_size=16,
+def run(algorithm: str, name: str, prompts: list[list[int]], n: int, root: Path, port: int) -> list[dict]:
+    role, spec, env = configs(algorithm)[name]
+    cfg = LaunchConfig(role=role, model=DRAFTS[algorithm][0], port=port, max_total_tokens=8192, page_size=16,
                        extra_args=COMMON + spec, env=env, log_dir=str(root / name))
     with Stack.for_config(cfg) as stack:
         stream(stack.url, prompt_of(40, 999), 4)  # warm the path
         return [stream(stack.url, p, n) for p in prompts]
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -97,7 +105,7 @@ def plot(rows: list[dict], path: Path) -> None:
     b.set_ylabel("acceptance length (tokens per step)")
     for ax in (a, b):
         ax.tick_params(axis="x", labelsize=7, rotation=15)
-    fig.suptitle("tiny-llama + tiny-llama-draft (STANDALONE, 1 step, top-k 1), CPU")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -105,6 +113,7 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
+    ap.add_argument("--algorithm", choices=sorted(DRAFTS), default="STANDALONE")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--output-tokens", type=int, default=64)
     ap.add_argument("--port", type=int, default=34000)
@@ -115,8 +124,8 @@ def main() -> int:
     t0 = time.time()
     samples = {}
     with tempfile.TemporaryDirectory(prefix="spec-bench-") as tmp:
-        for k, name in enumerate(CONFIGS):
-            samples[name] = run(name, prompts, args.output_tokens, Path(tmp), args.port + 20 * k)
+        for k, name in enumerate(configs(args.algorithm)):
+            samples[name] = run(args.algorithm, name, prompts, args.output_tokens, Path(tmp), args.port + 20 * k)
             print(f"{name}: done", flush=True)
     reference = [s["output_ids"] for s in samples["colocated_spec"]]
     rows = []
@@ -133,13 +142,15 @@ def main() -> int:
     base = next(r for r in rows if r["config"] == "colocated_spec")["decode_tok_s"]
     for r in rows:
         r["decode_vs_colocated_spec"] = r["decode_tok_s"] / base
-    result = {"model": "tiny-llama", "draft": "tiny-llama-draft", "speculation": list(SPEC),
+    target, draft, _, stem = DRAFTS[args.algorithm]
+    result = {"model": target, "draft": draft, "algorithm": args.algorithm,
+              "speculation": list(configs(args.algorithm)["colocated_spec"][1]),
               "prompt_tokens": [len(p) for p in prompts], "output_tokens": args.output_tokens,
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-              "command": "python benchmarks/speculative.py --out " + args.out, "wall_s": round(time.time() - t0),
+              "command": f"python benchmarks/speculative.py --out {args.out} --algorithm {args.algorithm}", "wall_s": round(time.time() - t0),
               "rows": rows}
-    (out / "speculative.json").write_text(json.dumps(result, indent=1) + "\n")
-    plot(rows, out / "speculative.png")
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
+    plot(rows, out / f"{stem}.png", f"{target} + {draft} ({args.algorithm}, 1 step, top-k 1), CPU")
     for r in rows:
         acc = f"{r['accept_length']:.3f}" if r["accept_length"] else "-"
         print(f"{r['config']:26s} decode {r['decode_tok_s']:7.1f} tok/s ({r['decode_vs_colocated_spec']:.2f}x) "

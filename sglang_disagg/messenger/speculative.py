@@ -2,15 +2,17 @@
 
 A speculative decoder needs, besides the target's KV, the draft model's KV for the prompt:
 without it the draft starts cold (acceptance falls) or reads whatever its pool held. The
-messenger carries it for a standalone draft model (STANDALONE): the prefill server runs
-the draft over the prompt too (SGLang's draft extend, which reads at each position the
-token after it, so the order carries the prompt's last token: ``PrefillOrder.last_token``),
-and the draft pool's layers are registered after the target's, so its pages travel with
-the same plan, tag and write count. No hidden state crosses: the decoder runs the last
-prompt token itself, target and draft, as a colocated server's prefill would.
+messenger carries it for a standalone draft model (STANDALONE) and an EAGLE head (EAGLE):
+the prefill server runs the draft over the prompt too (SGLang's draft extend, which reads at
+each position the token after it, so the order carries the prompt's last token:
+``PrefillOrder.last_token``; an EAGLE head reads the target's hidden states of that same
+forward), and the draft pool's layers are registered after the target's, so its pages
+travel with the same plan, tag and write count. No hidden state crosses: the decoder runs
+the last prompt token itself, target and draft, as a colocated server's prefill would, and
+that token's hidden state (the only one its draft still reads) comes from its own forward.
 
-Anything else (EAGLE heads, MTP, n-gram, DFLASH, ...) is refused at start-up rather than
-served with a cold or stale draft. Two places ask, with the same answer: the launcher,
+Anything else (EAGLE3, MTP, n-gram, DFLASH, ...: none run or tested here) is refused at
+start-up rather than served with a cold or stale draft. Two places ask, with the same answer: the launcher,
 before it starts anything (``LaunchConfig``), and every messenger server when its target
 model is loaded (``hooks.model_loaded``), for servers started some other way. Colocated
 servers (``--role colocated``) are not the messenger's business and run what SGLang runs.
@@ -23,7 +25,7 @@ from typing import Any
 
 # Flags that turn speculative decoding on in SGLang's server arguments.
 SPEC_FLAGS = ("--speculative-algorithm", "--speculative-draft-model-path")
-CARRIED = frozenset({"STANDALONE"})  # algorithms the messenger moves the draft's state for
+CARRIED = frozenset({"EAGLE", "STANDALONE"})  # algorithms the messenger moves the draft's state for
 
 
 class UnsupportedSpeculation(ValueError):

@@ -33,6 +33,11 @@ def _tensor(spec: ModelSpec, name: str, shape: tuple[int, ...], std: float) -> n
 
 
 def _weights(spec: ModelSpec) -> dict[str, np.ndarray]:
+    if spec.architecture is Architecture.LLAMA_EAGLE:
+        from sglang_disagg.models.eagle import train_eagle
+
+        base = get_spec(spec.base)
+        return train_eagle(spec, base, _weights(base), lambda name, shape: _tensor(spec, name, shape, 1.0))
     if spec.base is not None:
         return _perturbed(spec)
     h, d = spec.hidden_size, spec.resolved_head_dim
@@ -82,7 +87,7 @@ def _config(spec: ModelSpec) -> dict:
     cfg = {
         "architectures": [spec.architecture.value],
         "model_type": {Architecture.LLAMA: "llama", Architecture.QWEN2: "qwen2",
-                       Architecture.QWEN3: "qwen3"}[spec.architecture],
+                       Architecture.QWEN3: "qwen3", Architecture.LLAMA_EAGLE: "llama"}[spec.architecture],
         "hidden_size": spec.hidden_size,
         "intermediate_size": spec.intermediate_size,
         "num_hidden_layers": spec.num_layers,

@@ -12,6 +12,7 @@ class Architecture(str, Enum):
     LLAMA = "LlamaForCausalLM"
     QWEN2 = "Qwen2ForCausalLM"
     QWEN3 = "Qwen3ForCausalLM"
+    LLAMA_EAGLE = "LlamaForCausalLMEagle"  # an EAGLE draft head (models.eagle)
 
 
 # Bumped whenever the generator's output changes, so stale caches are not reused.
@@ -33,7 +34,8 @@ class ModelSpec:
     seed: int = 0
     # A draft for speculative decoding: `base`'s weights, each scaled by (1 + perturb * N(0, 1))
     # from this spec's seed, so they differ from the target's (so does its KV) while its
-    # greedy choices mostly agree. Same shape as `base`.
+    # greedy choices mostly agree. Same shape as `base`. An EAGLE head (LLAMA_EAGLE) is
+    # instead trained on `base`'s hidden states from its layer perturbed so (models.eagle).
     base: str | None = None
     perturb: float = 0.0
 
@@ -76,6 +78,13 @@ BUILTIN_MODELS: dict[str, ModelSpec] = {
         # tiny-llama's speculative draft (STANDALONE): its weights perturbed by 5%.
         ModelSpec("tiny-llama-draft", Architecture.LLAMA, hidden_size=256, num_layers=4, num_heads=4,
                   num_kv_heads=2, intermediate_size=704, seed=7, base="tiny-llama", perturb=0.05),
+        # A one-layer target and its EAGLE head (trained: models.eagle). One layer, because
+        # a one-layer head can learn to follow it from the little data a generator affords.
+        ModelSpec("tiny-llama-1l", Architecture.LLAMA, hidden_size=256, num_layers=1, num_heads=4,
+                  num_kv_heads=2, intermediate_size=704, seed=8),
+        ModelSpec("tiny-llama-1l-eagle", Architecture.LLAMA_EAGLE, hidden_size=256, num_layers=1,
+                  num_heads=4, num_kv_heads=2, intermediate_size=704, seed=9, base="tiny-llama-1l",
+                  perturb=0.05),
         # Large enough that prefill visibly stalls decode on a CPU core (benchmarks).
         ModelSpec("small-llama", Architecture.LLAMA, hidden_size=1024, num_layers=8, num_heads=16,
                   num_kv_heads=4, intermediate_size=2816, max_position_embeddings=8192, seed=2),

@@ -39,7 +39,7 @@ def test_tokenizer_covers_the_whole_vocab_and_round_trips(tmp_path):
 def test_specs_are_gqa_and_validated():
     for spec in BUILTIN_MODELS.values():
         assert spec.num_heads > spec.num_kv_heads  # grouped-query attention
-    with pytest.raises(ValueError, match="known: small-llama, tiny-llama, tiny-llama-draft, tiny-qwen2, tiny-qwen3"):
+    with pytest.raises(ValueError, match="known: small-llama, tiny-llama, tiny-llama-1l, tiny-llama-1l-eagle, tiny-llama-draft, tiny-qwen2, tiny-qwen3"):
         get_spec("nope")
 
 
@@ -64,3 +64,31 @@ def test_draft_is_its_base_perturbed():
         assert np.abs(d - w).max() <= 0.5 * np.abs(w).max(), name
     assert (ensure_model("tiny-llama-draft") / "tokenizer.json").read_bytes() == \
         (ensure_model("tiny-llama") / "tokenizer.json").read_bytes()
+
+
+def test_eagle_head_is_trained_deterministic_and_follows_its_target(tmp_path):
+    """tiny-llama-1l-eagle: an EAGLE checkpoint (no ``model.`` prefix, no input norm, no final
+    norm), the same bytes from a second generation, its layer not its target's, and its greedy
+    guesses agreeing with the target's on prompts it was not trained on."""
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from sglang_disagg.models.eagle import agreement
+
+    path = ensure_model("tiny-llama-1l-eagle")
+    again = ensure_model("tiny-llama-1l-eagle", tmp_path)
+    digest = lambda p: hashlib.sha256((p / "model.safetensors").read_bytes()).hexdigest()  # noqa: E731
+    assert digest(path) == digest(again)
+    head = load_file(str(path / "model.safetensors"))
+    target = load_file(str(ensure_model("tiny-llama-1l") / "model.safetensors"))
+    assert sorted(head) == sorted(["embed_tokens.weight", "fc.weight", "fc.bias"] + [
+        f"layers.0.{n}.weight" for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                         "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+                                         "post_attention_layernorm")])
+    q = head["layers.0.self_attn.q_proj.weight"]
+    assert not np.array_equal(q, target["model.layers.0.self_attn.q_proj.weight"])
+    assert np.abs(head["fc.weight"][:, 256:]).max() > 0  # it reads the target's hidden state
+    config = json.loads((path / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle"] and config["num_hidden_layers"] == 1
+    spec, base = get_spec("tiny-llama-1l-eagle"), get_spec("tiny-llama-1l")
+    assert agreement(spec, base, target, head, seed=99) > 0.6

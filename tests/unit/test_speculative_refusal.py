@@ -12,7 +12,7 @@ import pytest
 from sglang_disagg.launch.__main__ import parse
 from sglang_disagg.messenger.speculative import UnsupportedSpeculation, check_argv, check_server_args
 
-SPEC = [["--speculative-algorithm", "EAGLE"], ["--speculative-algorithm=eagle3"],
+SPEC = [["--speculative-algorithm", "EAGLE3"], ["--speculative-algorithm=eagle3"],
         ["--speculative-algorithm", "NGRAM"], ["--speculative-algorithm=NEXTN"]]
 
 
@@ -32,10 +32,12 @@ def test_colocated_and_upstream_keep_speculation():
 
 
 def test_names_the_algorithm():
-    with pytest.raises(UnsupportedSpeculation, match=r"\(EAGLE\).*Algorithms it carries: STANDALONE"):
-        check_argv(["--speculative-algorithm", "eagle"])
+    with pytest.raises(UnsupportedSpeculation, match=r"\(EAGLE3\).*Algorithms it carries: EAGLE, STANDALONE"):
+        check_argv(["--speculative-algorithm", "eagle3"])
     check_argv(["--speculative-algorithm", "standalone", "--speculative-draft-model-path", "/d"])
+    check_argv(["--speculative-algorithm=eagle", "--speculative-draft-model-path", "/d"])
     check_server_args(SimpleNamespace(speculative_algorithm="STANDALONE"))
+    check_server_args(SimpleNamespace(speculative_algorithm="EAGLE"))
     with pytest.raises(UnsupportedSpeculation, match=r"\(EAGLE3\)"):
         check_server_args(SimpleNamespace(speculative_algorithm="EAGLE3"))
     check_argv(["--chunked-prefill-size", "64"])
@@ -45,10 +47,10 @@ def test_names_the_algorithm():
 def test_launcher_exits_with_the_reason_before_starting_anything():
     """The user's path: the launcher prints the refusal and exits non-zero at once."""
     out = subprocess.run([sys.executable, "-m", "sglang_disagg.launch", "--role", "all", "--dry-run",
-                          "--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "/x"],
+                          "--speculative-algorithm", "NGRAM"],
                          capture_output=True, text=True, timeout=60, env=dict(os.environ))
     assert out.returncode != 0
-    assert "speculative decoding (EAGLE) is not carried by the messenger" in out.stderr + out.stdout
+    assert "speculative decoding (NGRAM) is not carried by the messenger" in out.stderr + out.stdout
 
 
 def test_builtin_draft_names_resolve_to_their_directory():
