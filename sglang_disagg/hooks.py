@@ -285,6 +285,15 @@ def after_forward(scheduler: Any, batch: Any) -> None:
         kvdump.after_forward(scheduler, batch)
 
 
+def spec_verified(scheduler: Any, req: Any, num_correct_drafts: int) -> None:
+    """A speculative verify step of `req` settled, accepting `num_correct_drafts` draft
+    tokens (recorded only for the test dumps)."""
+    if _KV_DUMP in os.environ:
+        from sglang_disagg import kvdump
+
+        kvdump.verified(scheduler, req, num_correct_drafts)
+
+
 def draft_tail_tokens(batch: Any, tail_tokens: Any) -> Any:
     """SGLang's draft extend over a prefill batch reads, after each request's last
     position, `tail_tokens` (the sampled token); a messenger order's is the prompt's last
