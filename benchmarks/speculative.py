@@ -34,19 +34,24 @@ from pathlib import Path
 
 from sglang_disagg.launch import LaunchConfig, Role, Stack
 from sglang_disagg.launch.client import greedy
+from sglang_disagg.models import get_spec
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from single_request import prompt_of  # noqa: E402
 
 ONE_STEP = ("--speculative-num-steps", "1", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "2")
 COMMON = ("--chunked-prefill-size", "64", "--dtype", "float32")
-# algorithm -> (target, draft, the draft's layers, results file stem)
-DRAFTS = {"STANDALONE": ("tiny-llama", "tiny-llama-draft", 4, "speculative"),
-          "EAGLE": ("tiny-llama-1l", "tiny-llama-1l-eagle", 1, "speculative-eagle")}
+# algorithm -> (built-in draft, results file stem); the target is the draft spec's base
+DRAFTS = {"STANDALONE": ("tiny-llama-draft", "speculative"), "EAGLE": ("tiny-llama-1l-eagle", "speculative-eagle")}
+
+
+def target_of(algorithm: str) -> str:
+    return get_spec(DRAFTS[algorithm][0]).base
 
 
 def configs(algorithm: str) -> dict:
-    _, draft, layers, _ = DRAFTS[algorithm]
+    draft = DRAFTS[algorithm][0]
+    layers = get_spec(draft).num_layers
     spec = ("--speculative-algorithm", algorithm, "--speculative-draft-model-path", draft) + ONE_STEP
     return {
         "colocated_spec": (Role.COLOCATED, spec, ()),
@@ -83,7 +88,7 @@ def stream(url: str, prompt: list[int], n: int) -> dict:
 
 def run(algorithm: str, name: str, prompts: list[list[int]], n: int, root: Path, port: int) -> list[dict]:
     role, spec, env = configs(algorithm)[name]
-    cfg = LaunchConfig(role=role, model=DRAFTS[algorithm][0], port=port, max_total_tokens=8192, page_size=16,
+    cfg = LaunchConfig(role=role, model=target_of(algorithm), port=port, max_total_tokens=8192, page_size=16,
                        extra_args=COMMON + spec, env=env, log_dir=str(root / name))
     with Stack.for_config(cfg) as stack:
         stream(stack.url, prompt_of(40, 999), 4)  # warm the path
@@ -142,7 +147,7 @@ def main() -> int:
     base = next(r for r in rows if r["config"] == "colocated_spec")["decode_tok_s"]
     for r in rows:
         r["decode_vs_colocated_spec"] = r["decode_tok_s"] / base
-    target, draft, _, stem = DRAFTS[args.algorithm]
+    (draft, stem), target = DRAFTS[args.algorithm], target_of(args.algorithm)
     result = {"model": target, "draft": draft, "algorithm": args.algorithm,
               "speculation": list(configs(args.algorithm)["colocated_spec"][1]),
               "prompt_tokens": [len(p) for p in prompts], "output_tokens": args.output_tokens,

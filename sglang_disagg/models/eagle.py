@@ -92,6 +92,12 @@ def _greedy_data(w, spec, seed):
     return tokens, _target_hidden(w, spec, tokens)
 
 
+def _f64(weights: dict[str, np.ndarray]) -> dict:
+    import torch
+
+    return {k: torch.from_numpy(v.astype(np.float64)) for k, v in weights.items()}
+
+
 def _round(a: np.ndarray) -> np.ndarray:
     """To 10 mantissa bits (round half up on the bit pattern), as float32."""
     u = a.astype(np.float32).view(np.uint32)
@@ -129,7 +135,7 @@ def _data(w, spec, seed):
 def _train(spec, target_spec, target_weights, noise):
     import torch
 
-    w = {k: torch.from_numpy(v.astype(np.float64)) for k, v in target_weights.items()}
+    w = _f64(target_weights)
     feats, want, nxt = _data(w, target_spec, spec.seed)
     h, head = spec.hidden_size, w["lm_head.weight"]
     params = {"fc.weight": torch.cat([torch.eye(h), torch.zeros(h, h)], 1).double(),
@@ -164,8 +170,7 @@ def agreement(spec, target_spec, target_weights, head_weights, seed: int, hidden
     (``hidden=False``: with the hidden state withheld, zeros in its place)."""
     import torch
 
-    w = {k: torch.from_numpy(v.astype(np.float64)) for k, v in target_weights.items()}
-    p = {k: torch.from_numpy(v.astype(np.float64)) for k, v in head_weights.items()}
+    w, p = _f64(target_weights), _f64(head_weights)
     feats, _, nxt = _data(w, target_spec, seed)
     if not hidden:
         feats = torch.cat([feats[..., :spec.hidden_size], torch.zeros_like(feats[..., spec.hidden_size:])], -1)

@@ -31,6 +31,7 @@ from sglang_disagg.messenger import wire
 from sglang_disagg.messenger.faults import ENV as FAULT_ENV
 from sglang_disagg.messenger.links import REFUSED_MARK
 from sglang_disagg.messenger.planner import pages_for
+from sglang_disagg.models import get_spec
 from sglang_disagg.kvdump import ENV as DUMP_ENV
 
 from .conftest import COMMON_ARGS, OUTPUT_TOKENS, next_port, prompts_for
@@ -46,19 +47,28 @@ STATS = ("spec_verify_ct", "spec_correct_drafts_histogram", "completion_tokens")
 
 @dataclass(frozen=True)
 class Draft:
+    """A built-in draft; its target is its spec's base, the layer counts the specs'."""
     algorithm: str
-    target: str
     draft: str
-    layers: int  # the target's
-    draft_layers: int
+
+    @property
+    def target(self) -> str:
+        return get_spec(self.draft).base
+
+    @property
+    def layers(self) -> int:
+        return get_spec(self.target).num_layers
+
+    @property
+    def draft_layers(self) -> int:
+        return get_spec(self.draft).num_layers
 
     @property
     def args(self) -> tuple[str, ...]:
         return ("--speculative-algorithm", self.algorithm, "--speculative-draft-model-path", self.draft) + ONE_STEP
 
 
-DRAFTS = [Draft("STANDALONE", "tiny-llama", "tiny-llama-draft", 4, 4),
-          Draft("EAGLE", "tiny-llama-1l", "tiny-llama-1l-eagle", 1, 1)]
+DRAFTS = [Draft("STANDALONE", "tiny-llama-draft"), Draft("EAGLE", "tiny-llama-1l-eagle")]
 
 
 def _start(root, draft: Draft, role: Role, env=(), **kw) -> Stack:
