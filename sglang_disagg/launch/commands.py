@@ -180,7 +180,8 @@ def messenger_config(cfg: LaunchConfig, role: Role, log_dir: Path | None = None)
     name = role.value
     stats = str(log_dir / f"{name}.messenger.json") if log_dir else ""
     common = dict(backend=cfg.transfer_backend, provider=cfg.transfer_provider, host=cfg.host, name=name,
-                  stats_file=stats, transfer_timeout_s=cfg.transfer_timeout_s, stream=cfg.stream, reuse_prefix=cfg.reuse_prefix)
+                  stats_file=stats, transfer_timeout_s=cfg.transfer_timeout_s,
+                  recheck_s=cfg.link_recheck_s, stream=cfg.stream, reuse_prefix=cfg.reuse_prefix)
     if role is Role.PREFILL:
         return MessengerConfig(role=MessengerRole.PREFILL, port=ports.bootstrap, metrics_port=ports.prefill_metrics,
                                **common)

@@ -130,6 +130,7 @@ class LaunchConfig:
     pin_cores: bool = False  # --role all on CPU: pin prefill and decode servers to their own cores
     drain_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may take to finish
     transfer_timeout_s: float = 60.0
+    link_recheck_s: float = 1.0  # messenger: first wait before a failing prefill server is tried again
     stream: bool = True  # messenger: write each layer's pages as the prefill forward passes it
     reuse_prefix: bool = True  # messenger: decoders send only what their radix cache lacks
     secret_file: str | None = None  # messenger: the deployment's shared secret (None: --role all makes one)

@@ -36,6 +36,8 @@ class MessengerConfig:
     """`port`: where a prefill server's messenger listens (decoders connect there; 0 on a
     decoder). `prefill`: the prefill messengers a decoder may use, as host:port.
     `transfer_timeout_s`: how long a decoder waits for a request's KV before failing it.
+    `recheck_s`: how long a decoder keeps a prefill server that failed its last requests
+    out of use before connecting again (doubling while it keeps failing, up to 30 s).
     `stats_file`: where the leader publishes its counters as JSON ("" = nowhere);
     `metrics_port`: where it serves them to Prometheus (0 = nowhere).
     `stream`: a prefill server posts each layer's writes as the forward passes that layer
@@ -51,6 +53,7 @@ class MessengerConfig:
     name: str = ""
     transfer_timeout_s: float = 60.0
     connect_timeout_s: float = 5.0
+    recheck_s: float = 1.0
     stats_file: str = ""
     stream: bool = True
     reuse_prefix: bool = True
@@ -76,7 +79,7 @@ class MessengerConfig:
             raise ConfigError("prefill: a decoder needs at least one prefill messenger address (host:port)")
         if self.role is MessengerRole.PREFILL and not self.port:
             raise ConfigError("port: a prefill server's messenger needs a fixed port for decoders to reach")
-        for name in ("transfer_timeout_s", "connect_timeout_s"):
+        for name in ("transfer_timeout_s", "connect_timeout_s", "recheck_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value <= 0:
                 raise ConfigError(f"{name}: must be a positive number of seconds, got {value!r}")

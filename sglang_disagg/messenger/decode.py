@@ -75,7 +75,8 @@ class DecodeMessenger:
         if self.ranks.is_leader:
             hello = wire.Hello(decoder=self.node.name, backend=self.backend.name, provider=self.backend.provider,
                                kv=self.node.spec, ranks=self.node.endpoints)
-            self.links = Links(self.node, hello, cfg.prefill, cfg.connect_timeout_s, on_change=self.node.wakeup.set)
+            self.links = Links(self.node, hello, cfg.prefill, cfg.connect_timeout_s, on_change=self.node.wakeup.set,
+                               recheck_s=cfg.recheck_s)
             self.node.start_reader(self._on_message)
 
     # ----- intake -------------------------------------------------------------------

@@ -11,7 +11,7 @@ Requests go to the ready link with the fewest outstanding requests.
 A link whose server keeps failing valid orders (FAIL_STRIKES requests in a row: its writes
 into this decoder fail, or never arrive) is FAILING: out of use, so requests go to another
 server or fail at once with the reason, instead of each one burning a prefill. After a
-backoff (RECHECK_S, doubling) it is connected again from scratch (a new Hello: the server
+backoff (the decoder's `recheck_s`, doubling up to RECHECK_MAX_S) it is connected again from scratch (a new Hello: the server
 re-reads this decoder's regions) and comes back on probation: one more failure and it is
 FAILING again, one success and it is trusted again.
 """
@@ -34,7 +34,7 @@ POLL_S = 0.05  # how often a ready link's liveness is checked: loss must be seen
 REFUSED_RETRY_S = 5.0
 REFUSED_MARK = "refused by"  # in every refusal the client sees; the launcher stops on it
 FAIL_STRIKES = 3             # valid requests in a row a link's server failed: the link is FAILING
-RECHECK_S = (1.0, 30.0)      # first and longest wait before a FAILING link is connected again
+RECHECK_MAX_S = 30.0         # longest wait before a FAILING link is connected again (the first: recheck_s)
 
 
 class LinkState(enum.Enum):
@@ -47,7 +47,7 @@ class LinkState(enum.Enum):
 
 
 class Link:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, recheck_s: float) -> None:
         self.address = address
         self.state = LinkState.CONNECTING
         self.reason = "not contacted yet"
@@ -57,7 +57,7 @@ class Link:
         self.outstanding = 0
         self.strikes = 0         # requests in a row its server failed (scheduler thread)
         self.recheck_at = 0.0    # FAILING: when it is connected again
-        self.backoff = RECHECK_S[0]
+        self.first_backoff = self.backoff = recheck_s
         self._reply = threading.Event()
         self._answer: wire.Message | None = None
 
@@ -75,10 +75,10 @@ class Link:
 
 class Links:
     def __init__(self, node: Any, hello: wire.Hello, addresses: tuple[str, ...], connect_timeout_s: float,
-                 on_change: Any = None) -> None:
+                 on_change: Any = None, recheck_s: float = 1.0) -> None:
         self._node, self._hello, self._timeout = node, hello, connect_timeout_s
         self._on_change = on_change or (lambda: None)  # wakes the scheduler: entries wait on link states
-        self.links = {a: Link(a) for a in addresses}
+        self.links = {a: Link(a, recheck_s) for a in addresses}
         self._by_peer: dict[str, Link] = {}
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._run, args=(link,), name=f"messenger-link-{a}", daemon=True)
@@ -114,7 +114,7 @@ class Links:
         if link is None:
             return
         if not error:
-            link.strikes, link.backoff = 0, RECHECK_S[0]
+            link.strikes, link.backoff = 0, link.first_backoff
             return
         link.strikes += 1
         if link.strikes < FAIL_STRIKES or link.state is not LinkState.READY:
@@ -123,7 +123,7 @@ class Links:
         link.state, link.reason = LinkState.FAILING, (
             f"its last {link.strikes} requests failed, the last one with: {error}; "
             f"connected again in {link.backoff:g} s")
-        link.backoff = min(2 * link.backoff, RECHECK_S[1])
+        link.backoff = min(2 * link.backoff, max(RECHECK_MAX_S, link.first_backoff))
         logger.error("messenger: prefill server %s out of use: %s", address, link.reason)
         self._on_change()
 

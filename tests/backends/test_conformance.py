@@ -212,6 +212,10 @@ def test_receiver_killed_mid_transfer(fresh: Pair, procs: list) -> None:
     t_kill = time.time()
     fresh.rx.kill()
     got = fresh.tx.call("stream_result", rpc_timeout=10, timeout=5.0)
+    if got["type"] is None:
+        where = fresh.tx.call("stacks")["stacks"]
+        raise AssertionError(f"the sender's writes went on after the receiver was killed: stats "
+                             f"{fresh.tx.call('stats')}; threads {where}; log {fresh.tx.tail()}")
     assert got["type"] in ("PeerLostError", "TransferError"), got
     assert got["t"] - t_kill < 2.0, got
     _clean(fresh.tx)

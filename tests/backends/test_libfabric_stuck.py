@@ -125,6 +125,34 @@ def test_a_peer_that_died_holding_its_region_lock_does_not_hang_the_writer(procs
     assert not a.call("stats")["poisoned"], a.call("stats")
 
 
+def test_a_writer_already_inside_when_the_peer_dies_holding_its_lock_comes_back_out(procs: list) -> None:
+    """The race the look before posting cannot close: our writer is past the look and waiting
+    inside fi_writedata for the peer's lock when the peer dies holding it (seen in CI: a receiver
+    killed mid-transfer, the sender's thread spinning in the provider for good). Made certain
+    here: the writer does not look (option shm_lock_look=False), the lock is held by a dead
+    helper, and the peer is killed while the writer waits inside. While the peer lives its lock is
+    left alone; once it is dead the watchdog releases it: the writer comes out and fails with
+    PeerLostError within the stuck bound, no endpoint is abandoned, and a new peer is served."""
+    a, b = StuckProc({"options": {"shm_lock_look": False}}), StuckProc()
+    procs += [a, b]
+    peer, src, remote, _ = connected(a, b)
+    hold_lock_and_die(b.call("shm_region"))
+    a.call("writer_start", peer=peer, region=src, remote=remote, imm=6, writes=PAGES)
+    time.sleep(0.5)
+    assert a.call("writer_done") == {"done": 0, "error": None}  # inside, waiting for the lock
+    assert a.call("stats")["dead_locks_released"] == 0  # its owner lives: not ours to release
+    b.kill()
+    t0 = time.monotonic()
+    assert until(lambda: a.call("writer_done")["error"], timeout=5.0), a.call("writer_done")
+    assert time.monotonic() - t0 < 1.5
+    assert a.call("writer_done")["error"]["type"] == "PeerLostError", a.call("writer_done")
+    assert not a.call("writer_stop", timeout=5.0)["alive"]
+    stats = a.call("stats")
+    assert stats["dead_locks_released"] == 1 and stats["endpoints_abandoned"] == 0, stats
+    assert "released the spinlock" in a.tail()
+    serves_a_new_peer(a, procs)
+
+
 def test_a_post_to_a_peer_whose_process_exited_fails_at_once(procs: list) -> None:
     """The peer is SIGKILLed but a child of it keeps its control connection open, so neither EOF
     nor (for a minute) silence says it is gone: only its pid does. A post must fail at once

@@ -163,6 +163,12 @@ class Worker:
     def stats(self) -> dict:
         return self.be.stats()
 
+    def stacks(self) -> dict:
+        """Every thread's stack (a failing kill test says where the sender is stuck)."""
+        names = {t.ident: t.name for t in threading.enumerate()}
+        return {"stacks": {names.get(i, str(i)): "".join(traceback.format_stack(f))
+                           for i, f in sys._current_frames().items()}}
+
     def close_peer(self, peer: str) -> dict:
         self.peers.pop(peer).close()
         return {}

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from sglang_disagg.launch.client import generate_ids
-from sglang_disagg.messenger.links import FAIL_STRIKES, RECHECK_S
+from sglang_disagg.messenger.links import FAIL_STRIKES
 
 from .conftest import OUTPUT_TOKENS
 from .faultlib import FAULT_DEADLINE_S, row, wait_for
@@ -23,13 +23,18 @@ from .test_faults import FaultStack
 pytestmark = pytest.mark.e2e
 
 INJECTED = "fail_writes"
+# The decoder's first wait before it connects the failing server again. Long enough that p1
+# is still out of use once p2 has served two prompts on a slow machine (with the default 1 s,
+# a CI run saw p1 already back on probation when the test looked).
+RECHECK_S = 5.0
 
 
 @pytest.fixture(scope="module")
 def fl(tmp_path_factory, references, stacks):
     references("tiny-llama")
     stacks.close()
-    stack = FaultStack(tmp_path_factory.mktemp("failing-link"), p1_env=(("SGLANG_DISAGG_FAULT", INJECTED),))
+    stack = FaultStack(tmp_path_factory.mktemp("failing-link"), p1_env=(("SGLANG_DISAGG_FAULT", INJECTED),),
+                       link_recheck_s=RECHECK_S)
     stack.start()
     yield stack
     stack.stop()
@@ -71,12 +76,12 @@ def test_a_prefill_server_that_fails_every_write_is_taken_out_of_use(fl, referen
     assert fl.links()[p2]["state"] == "ready"
 
     # After its backoff p1 is connected again; still failing, one request takes it out again.
-    wait_for("p1 re-checked", lambda: fl.links()[p1]["state"] == "ready", RECHECK_S[0] + 5, 0.05)
+    wait_for("p1 re-checked", lambda: fl.links()[p1]["state"] == "ready", RECHECK_S + 5, 0.05)
     _, err, _ = send(fl, prompts[7])
     assert INJECTED in err, err
     # The decoder's stats file is rewritten at most every 0.2 s, from its scheduler loop.
     link = wait_for("p1 out of use again", lambda: (fl.links()[p1]["state"] == "failing") and fl.links()[p1], 2, 0.05)
-    assert f"connected again in {2 * RECHECK_S[0]:g} s" in link["reason"], link
+    assert f"connected again in {2 * RECHECK_S:g} s" in link["reason"], link
     out, err, _ = send(fl, prompts[8])
     assert out == outputs[8], err or out
 

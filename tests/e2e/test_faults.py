@@ -38,14 +38,15 @@ LONG = 1500               # tokens: ~24 prefill chunks, so a fault lands mid-tra
 
 
 class FaultStack:
-    def __init__(self, root, p1_env: tuple[tuple[str, str], ...] = ()) -> None:
+    def __init__(self, root, p1_env: tuple[tuple[str, str], ...] = (), **decoder_kw) -> None:
         self.secret_file = root / "secret"  # one deployment: every server proves the same secret
         self.secret_file.write_text(auth.new_secret() + "\n")
         self.secret_file.chmod(0o600)
         self.p1 = Stack.for_config(self._cfg(root, Role.PREFILL, extra_env=p1_env))
         self.p2 = Stack.for_config(self._cfg(root, Role.PREFILL))
         self.d = Stack.for_config(self._cfg(root, Role.DECODE, prefill_messengers=(self.addr(self.p1),
-                                                                                   self.addr(self.p2))))
+                                                                                   self.addr(self.p2)),
+                                      **decoder_kw))
 
     def _cfg(self, root, role: Role, extra_env: tuple[tuple[str, str], ...] = (), **kw) -> LaunchConfig:
         port = next(_ports)

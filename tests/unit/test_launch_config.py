@@ -11,6 +11,7 @@ from sglang_disagg.messenger.config import ENV as MESSENGER_ENV
 from sglang_disagg.messenger.config import MessengerConfig
 from sglang_disagg.launch.__main__ import parse
 from sglang_disagg.launch.commands import launcher_registered_workers, router_spec, server_spec
+from sglang_disagg.launch.render import launcher_argv
 from sglang_disagg.launch.preflight import PreflightError, check_ports_free
 
 
@@ -56,6 +57,15 @@ def test_messenger_is_the_default_mode():
     router = router_spec(cfg)
     assert "--pd-disaggregation" not in router.argv
     assert launcher_registered_workers(cfg) == ["http://127.0.0.1:40002"]  # decoders only
+
+
+def test_the_failing_link_recheck_reaches_the_decoder_and_survives_a_rendered_deployment():
+    cfg, _ = parse(["--role", "all", "--port", "40000", "--link-recheck", "4"])
+    decode = server_spec(cfg, Role.DECODE, "/m", builtin=True)
+    assert MessengerConfig.from_json(dict(decode.env)[MESSENGER_ENV]).recheck_s == 4.0
+    assert parse(launcher_argv(cfg))[0] == cfg
+    default, _ = parse(["--role", "all", "--port", "40000"])
+    assert "--link-recheck" not in launcher_argv(default)
 
 
 def test_messenger_backends_come_from_the_registry():

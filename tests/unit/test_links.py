@@ -12,7 +12,7 @@ import types
 import pytest
 
 from sglang_disagg.backends import PeerState
-from sglang_disagg.messenger import decode, links as links_mod, wire
+from sglang_disagg.messenger import decode, wire
 from sglang_disagg.messenger.links import FAIL_STRIKES, Link, Links, LinkState
 from sglang_disagg.messenger.metrics import Cause
 
@@ -48,11 +48,10 @@ class FakeBackend:
 
 
 @pytest.fixture
-def linked(monkeypatch):
-    monkeypatch.setattr(links_mod, "RECHECK_S", (0.1, 0.25))
+def linked():
     backend = FakeBackend()
     changes = threading.Event()
-    ls = Links(types.SimpleNamespace(backend=backend), HELLO, ("p1", "p2"), 2.0, on_change=changes.set)
+    ls = Links(types.SimpleNamespace(backend=backend), HELLO, ("p1", "p2"), 2.0, on_change=changes.set, recheck_s=0.1)
     backend.links = ls
     deadline = time.monotonic() + 5
     while not all(link.alive() for link in ls.links.values()):
@@ -110,7 +109,7 @@ def test_only_the_servers_failures_count_against_its_link():
 def test_an_unknown_link_or_a_link_not_ready_is_left_alone():
     ls = Links(types.SimpleNamespace(backend=None), HELLO, (), 1.0)
     ls.outcome("nowhere", "boom")
-    ls.links["p"] = link = Link("p")
+    ls.links["p"] = link = Link("p", 1.0)
     for _ in range(FAIL_STRIKES + 1):
         ls.outcome("p", "boom")
     assert link.state is LinkState.CONNECTING  # only a READY link is taken out of use

@@ -123,6 +123,8 @@ def test_config_round_trip_and_validation(monkeypatch):
         MessengerConfig.from_json("{")
     with pytest.raises(ConfigError, match="transfer_timeout_s"):
         MessengerConfig(role="prefill", backend="nixl", port=1, transfer_timeout_s=0)
+    with pytest.raises(ConfigError, match="recheck_s"):
+        MessengerConfig(role="decode", backend="nixl", prefill=("h:1",), recheck_s=-1)
 
 
 def test_fault_specs():

@@ -19,7 +19,9 @@ on a spinlock in shared memory whose holder died) would hold the endpoint for go
 but the poller's waits for it longer than SHIM_STUCK_MS: then EndpointStuck, and the backend is
 poisoned and replaces the endpoint, as for a head-of-line-blocked one; an endpoint that cannot be
 closed is abandoned (leaked, logged). On shm the shim also watches the locks themselves
-(shmlocks.py; options shm_lock_guard=False turns that off) and each peer's process.
+(shmlocks.py; options shm_lock_guard=False turns that off) and each peer's process, and
+releases a peer's lock that its process died holding (shmwatch.c; shm_lock_look=False, for tests,
+skips the look before posting so that a writer waits inside).
 """
 
 from __future__ import annotations
@@ -92,8 +94,9 @@ class LibfabricBackend(Healing, TransferBackend):
         _need_shim()
         # hmem=True: open with FI_HMEM from the start; otherwise the first device-memory
         # registration reopens the endpoint with it (host-only endpoints keep today's attributes).
-        self._hmem, self._guard = (self.config.options.get(k, d) for k, d in (("hmem", False), ("shm_lock_guard", True)))
-        for k, v in (("hmem", self._hmem), ("shm_lock_guard", self._guard)):
+        self._hmem, self._guard, self._look = (self.config.options.get(k, d) for k, d in (
+            ("hmem", False), ("shm_lock_guard", True), ("shm_lock_look", True)))
+        for k, v in (("hmem", self._hmem), ("shm_lock_guard", self._guard), ("shm_lock_look", self._look)):
             if not isinstance(v, bool):
                 raise TransferError(f"libfabric option {k} must be a bool, got {v!r}")
         self._fins: dict[int, weakref.finalize] = {}
@@ -161,7 +164,7 @@ class LibfabricBackend(Healing, TransferBackend):
             _check(lib.shim_av_insert(ep, raw, len(raw), out, err.buf, 256), err, "fi_av_insert")
             peer.native = int(out[0])
             if self.provider == "shm":
-                shmlocks.guard_peer(ep, peer.native, raw, self._lock_off, peer.address)
+                shmlocks.guard_peer(ep, peer.native, raw, self._lock_off, peer.address, self._look)
 
     def _native_disconnect(self, peer: Peer) -> None:
         if peer.native is None:
@@ -359,7 +362,8 @@ class LibfabricBackend(Healing, TransferBackend):
             live = -1
         return {"native_batches": live, "stale_addresses": self._stale_addrs,
                 "poisoned": int(bool(self._poisoned)), "async_errors": self._async_errors,
-                "endpoints_replaced": self.endpoints_replaced, "endpoints_abandoned": self.endpoints_abandoned}
+                "endpoints_replaced": self.endpoints_replaced, "endpoints_abandoned": self.endpoints_abandoned,
+                "dead_locks_released": self.dead_locks_released}
 
     def _native_close(self) -> None:
         self._stop_watchdog()

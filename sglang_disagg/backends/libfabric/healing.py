@@ -11,7 +11,9 @@ removed), one error line in the log.
 Stuck is found by the next call into the shim (it waits SHIM_STUCK_MS at most), by the poller
 (shm: our region's lock held that long), or, when nobody calls in (a poller stuck inside
 fi_cq_read while the writers wait on their futures), by a watchdog thread that asks the shim
-twice a second without waiting (shim_check).
+ten times a second without waiting (shim_check). Before that it has the shim release the region
+lock of a peer that died holding it (shim_release_dead_locks): a writer waiting inside the
+provider for it comes back out, and only the peer is lost, not the endpoint.
 
 Contract with the backend: `_ep`, `_poller`, `_stop`, `_ep_lock` (held for the whole swap, never
 longer than the shim's bound on a stuck endpoint), `_fins` (each endpoint's finalizer), and
@@ -30,7 +32,7 @@ from . import shmlocks
 from .native import ESTUCK, EndpointStuck, address_of, ffi, lib, register_on, stuck_text
 
 log = logging.getLogger("sglang_disagg.backends.libfabric.backend")
-_WATCH_S = 0.5
+_WATCH_S = 0.1
 
 
 class Healing:
@@ -38,7 +40,7 @@ class Healing:
         self._heal_lock = threading.Lock()
         self._healing = self._stuck = False
         self._poisoned = ""
-        self.endpoints_replaced = self.endpoints_abandoned = 0
+        self.endpoints_replaced = self.endpoints_abandoned = self.dead_locks_released = 0
         self._watch_stop = threading.Event()
 
     def _start_watchdog(self) -> None:
@@ -51,9 +53,18 @@ class Healing:
             self._watchdog.join(timeout=1.0)
 
     def _watch_loop(self) -> None:
+        msg = ffi.new("char[]", 256)
         while not self._watch_stop.wait(_WATCH_S):
             ep = self._ep
-            if not self._shim_closed and lib.shim_check(ep) == -ESTUCK:
+            if self._shim_closed:
+                continue
+            # First the locks of dead peers: a writer waiting inside for one comes back out
+            # before the stuck bound, and the endpoint needs no replacing.
+            released = lib.shim_release_dead_locks(ep, msg, 256)
+            if released:
+                self.dead_locks_released += released
+                log.warning("libfabric shm: %s", ffi.string(msg).decode(errors="replace"))
+            if lib.shim_check(ep) == -ESTUCK:
                 self._on_stuck(ep, stuck_text())
 
     @staticmethod

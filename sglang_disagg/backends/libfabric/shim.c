@@ -45,6 +45,7 @@
 #include <rdma/fi_errno.h>
 #include <rdma/fi_rma.h>
 #include "shim.h"
+#include "shmwatch.h"
 
 #define N_RECV 256
 #define CQ_BATCH 64
@@ -61,6 +62,8 @@
  * a post that backs off. A write posted in between to a peer just dead fails with the peer
  * (control channel EOF), like one posted just before it died. */
 #define PID_CHECK_NS 1000000LL
+/* A dead peer's region lock found held at every look for this long is released (shmwatch.c). */
+#define DEAD_HELD_NS (150LL * 1000000LL)
 #if defined(__x86_64__) || defined(__i386__)
 #define cpu_relax() __builtin_ia32_pause()
 #elif defined(__aarch64__)
@@ -97,7 +100,7 @@ struct mr_slot { struct fid_mr *mr; void *buf; size_t len; void *desc; uint32_t 
  * and the lock word of its region (a read-only mapping of the region's first page). */
 struct peer_ent {
     uint64_t addr; int pidfd, pid, exited; int64_t checked;
-    const int *lock; void *map; size_t maplen;
+    const int *lock; void *map; size_t maplen;  /* lock NULL: not looked at before posting */
 };
 struct peer_tab { struct peer_ent *v; size_t n, cap; };
 
@@ -136,6 +139,7 @@ struct shim_ep {
     int64_t last_activity;           /* ns; last post or completion, drives idle back-off */
     struct peer_tab postable;        /* in this endpoint's AV and not abandoned: posts to any other
                                       * address (a lost peer's, another endpoint's) are refused */
+    shmwatch *dead;                  /* shm: peers' region locks, released once their owner died */
     struct tag_err *tag_errs; size_t n_tag_errs, cap_tag_errs;  /* failed remote writes, by tag */
 };
 
@@ -484,6 +488,7 @@ static void close_fids(shim_ep *e);
 /* Frees the struct; only for an endpoint nobody else can reach (failed open, shim_free). */
 static void destroy(shim_ep *e) {
     free(e->mrs); free(e->imms); free(e->postable.v); free(e->tag_errs);  /* guards: close_fids */
+    shmwatch_free(e->dead);
     pthread_cond_destroy(&e->idle);
     pthread_mutex_destroy(&e->lock);
     free(e);
@@ -499,6 +504,7 @@ int shim_open(const char *prov, const char *node, int hmem, shim_ep **out, char 
     int ret;
     if (!e || !hints) { set_err(err, errlen, "alloc", -FI_ENOMEM); free(e); fi_freeinfo(hints); return -FI_ENOMEM; }
     pthread_once(&spin_once, spin_probe);
+    e->dead = shmwatch_new(spin_free_value);  /* NULL (no memory): dead peers' locks stay held */
     pthread_mutex_init(&e->lock, NULL);
     pthread_cond_init(&e->idle, NULL);
     e->live.next = e->live.prev = &e->live;
@@ -609,7 +615,7 @@ int shim_guard_self(shim_ep *e, const char *region, int64_t lock_off, char *err,
 }
 
 int shim_guard_peer(shim_ep *e, uint64_t fi_addr, int pid, const char *region, int64_t lock_off,
-                    char *err, size_t errlen) {
+                    int flags, char *err, size_t errlen) {
     int ret = enter(e, err, errlen);
     if (ret) return ret;
     struct peer_ent *p = peer_find(&e->postable, fi_addr);
@@ -619,6 +625,7 @@ int shim_guard_peer(shim_ep *e, uint64_t fi_addr, int pid, const char *region, i
         goto out;
     }
     unguard(p);
+    shmwatch_del(e->dead, fi_addr);
     if (pid > 0) {
 #ifdef SYS_pidfd_open
         int fd = (int)syscall(SYS_pidfd_open, pid, 0);
@@ -644,6 +651,14 @@ int shim_guard_peer(shim_ep *e, uint64_t fi_addr, int pid, const char *region, i
             munmap(p->map, p->maplen);
             p->map = NULL; p->lock = NULL;
             ret = -FI_EINVAL;
+        } else {
+            /* a writer may still end up waiting inside on it (the look and the provider's lock
+             * are two steps): released there once the peer is dead */
+            int w = p->pidfd >= 0 ? shmwatch_add(e->dead, fi_addr, p->pidfd, region, lock_off) : -EINVAL;
+            if (w && err && errlen)
+                snprintf(err, errlen, "shim_guard_peer: the peer's lock is looked at, but would stay held if it "
+                         "died holding it (%s)", strerror(-w));
+            if (flags & SHIM_GUARD_NO_LOOK) p->lock = NULL;
         }
     }
 out:
@@ -706,7 +721,7 @@ int shim_av_remove(shim_ep *e, uint64_t fi_addr, char *err, size_t errlen) {
     int ret = enter(e, err, errlen);
     if (ret) return ret;
     ret = fi_av_remove(e->av, &a, 1, 0);
-    if (!ret) peer_del(&e->postable, a);
+    if (!ret) { peer_del(&e->postable, a); shmwatch_del(e->dead, a); }
     leave(e);
     if (ret) set_err(err, errlen, "fi_av_remove", ret);
     return ret;
@@ -988,6 +1003,7 @@ int shim_abandon_peer(shim_ep *e, uint64_t peer) {
     int k = 0, ret = enter_count(e);
     if (ret) return ret < 0 ? ret : 0;
     peer_del(&e->postable, peer);
+    shmwatch_del(e->dead, peer);
     /* Count batches abandoned earlier (expired) too: their writes are still the provider's,
      * and shm touches the peer's region when their responses come, so the address must
      * stay in the AV (and, the peer being gone, they block later responses) just the same. */
@@ -1008,6 +1024,10 @@ int shim_abandon_batch(shim_ep *e, uint64_t batch_id) {
         if ((*pp)->id == batch_id) { struct shim_batch *b = *pp; *pp = b->next; free(b); k = 1; break; }
     leave(e);
     return k;
+}
+
+int shim_release_dead_locks(shim_ep *e, char *msg, size_t msglen) {
+    return shmwatch_release_dead(e->dead, now_ns(), DEAD_HELD_NS, msg, msglen);
 }
 
 int shim_check(shim_ep *e) {
@@ -1081,6 +1101,7 @@ static void close_fids(shim_ep *e) {
     while (e->done_head) { struct shim_batch *b = e->done_head; e->done_head = b->next; free(b); }
     e->n_imms = 0; e->n_tag_errs = 0; e->async_status = 0;
     for (size_t i = 0; i < e->postable.n; i++) unguard(&e->postable.v[i]);
+    shmwatch_clear(e->dead);
     if (e->own_map) munmap(e->own_map, e->own_maplen);
     e->own_map = NULL; e->own_lock = NULL;
 }

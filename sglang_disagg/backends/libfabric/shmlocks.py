@@ -7,6 +7,8 @@ leaves the lock held for good, and a thread of ours waiting for it inside the pr
 forever, holding our endpoint. So the shim looks at the lock words itself (read-only mappings,
 shim_guard_self / shim_guard_peer) and waits outside the provider, where it also watches the
 peer's process (a pidfd: posts to a peer whose process exited fail at once) and the bounds.
+The look and the provider's own lock are two steps, so a writer can still end up waiting inside
+for a peer that died holding its lock: the watchdog releases such a lock (shmwatch.c).
 
 Where the lock is, is read off the region rather than a struct copied here: the region header
 records `base_addr`, the address its owner mapped it at, and the lock is the next field. Only
@@ -91,9 +93,11 @@ def guard_self(ep: Any, raw: bytes) -> int:
     return off
 
 
-def guard_peer(ep: Any, fi_addr: int, raw: bytes, lock_off: int, address: str) -> None:
-    """Watch a peer's process and its region's lock. PeerLostError: its process is gone already;
-    EndpointStuck from the shim as it comes; anything else only costs the guard (logged)."""
+def guard_peer(ep: Any, fi_addr: int, raw: bytes, lock_off: int, address: str, look: bool = True) -> None:
+    """Watch a peer's process and its region's lock (look=False: the lock is not looked at before
+    posting, only released should its process die holding it; for tests). PeerLostError: its
+    process is gone already; EndpointStuck from the shim as it comes; anything else only costs
+    the guard (logged)."""
     who = region_of(raw)
     if who is None:
         return
@@ -103,12 +107,13 @@ def guard_peer(ep: Any, fi_addr: int, raw: bytes, lock_off: int, address: str) -
                  "by the control channel only", address, pid, region)
         pid = 0
     err = Errbuf()
-    ret = lib.shim_guard_peer(ep, fi_addr, pid, region.encode(), lock_off, err.buf, 256)
+    flags = 0 if look else lib.SHIM_GUARD_NO_LOOK
+    ret = lib.shim_guard_peer(ep, fi_addr, pid, region.encode(), lock_off, flags, err.buf, 256)
     if ret == -errno.ECONNRESET:
         raise PeerLostError(f"libfabric shm: peer {address}: {err}")
     if ret == -ESTUCK:
         raise EndpointStuck(f"libfabric shm: {err}")
-    if ret:
+    if ret or str(err):
         log.warning("libfabric shm: peer %s: %s", address, err)
 
 
