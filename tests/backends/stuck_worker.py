@@ -47,6 +47,17 @@ class StuckWorker(FaultWorker):
         raw = base64.b64decode(self.be._endpoint_info()["fi_addr"])
         return shm_region_layout(raw.rstrip(b"\0").decode().split("://", 1)[1])
 
+    def take_lock(self, name: str, offset: int) -> dict:
+        """Take the spinlock at `offset` of /dev/shm/NAME here and keep it (until this process is
+        killed), as a peer inside libfabric shm's critical section holds another's."""
+        fd = os.open(f"/dev/shm/{name}", os.O_RDWR)
+        self._held = mmap.mmap(fd, mmap.PAGESIZE)
+        os.close(fd)
+        word = ctypes.addressof(ctypes.c_char.from_buffer(self._held)) + offset
+        if ctypes.CDLL(None).pthread_spin_lock(ctypes.c_void_p(word)) != 0:
+            raise RuntimeError("pthread_spin_lock failed")
+        return {"word": struct.unpack_from("=i", self._held, offset)[0]}
+
     def fork_holder(self) -> dict:
         """A child that holds every descriptor of ours, the control sockets too: once we are
         killed our peers see no EOF, only our process gone (and silence, at peer_timeout_s)."""

@@ -153,6 +153,34 @@ def test_a_writer_already_inside_when_the_peer_dies_holding_its_lock_comes_back_
     serves_a_new_peer(a, procs)
 
 
+def test_our_poller_inside_when_a_peer_dies_holding_our_lock_comes_back_out(procs: list) -> None:
+    """The mirror case: the peer we stream writes to holds our region's lock and is killed while
+    our poller waits for that lock inside fi_cq_read (made certain: the poller does not look,
+    option shm_lock_look=False, and the peer takes our lock itself; its answers to our writes
+    bring the poller in). Before, the poller spun there for good: the endpoint was declared stuck
+    after 2 s and abandoned, the thread left spinning in it. Now the watchdog releases our lock
+    (held from about when a peer died, for 0.8 s): the poller comes back out, the writer fails
+    with the lost peer, the endpoint is kept (or, if writes to the dead peer were in flight and
+    block it head-of-line, replaced and closed), never abandoned, and a new peer is served."""
+    a, b = StuckProc({"options": {"shm_lock_look": False}}), StuckProc()
+    procs += [a, b]
+    peer, src, remote, _ = connected(a, b)
+    region = a.call("shm_region")  # before the poller is held up: it asks the shim for our address
+    a.call("writer_start", peer=peer, region=src, remote=remote, imm=7, writes=PAGES)
+    assert until(lambda: a.call("writer_done")["done"] > 2), a.call("writer_done")
+    assert b.call("take_lock", name=region["name"], offset=region["lock_offset"])["word"] <= 0
+    time.sleep(0.3)  # our poller is inside now, waiting for the lock (stats would wait for it too)
+    b.kill()
+    assert until(lambda: a.call("writer_done")["error"], timeout=5.0), a.call("writer_done")
+    assert a.call("writer_done")["error"]["type"] in ("PeerLostError", "TransferError"), a.call("writer_done")
+    assert until(lambda: a.call("stats")["dead_locks_released"] == 1, timeout=5.0), a.call("stats")
+    assert until(lambda: not a.call("stats")["poisoned"], timeout=5.0), a.call("stats")
+    stats = a.call("stats")
+    assert stats["endpoints_abandoned"] == 0 and stats["endpoints_replaced"] <= 1, stats
+    assert "own region lock" in a.tail()
+    serves_a_new_peer(a, procs)
+
+
 def test_a_post_to_a_peer_whose_process_exited_fails_at_once(procs: list) -> None:
     """The peer is SIGKILLed but a child of it keeps its control connection open, so neither EOF
     nor (for a minute) silence says it is gone: only its pid does. A post must fail at once

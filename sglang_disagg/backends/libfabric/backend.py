@@ -20,8 +20,8 @@ but the poller's waits for it longer than SHIM_STUCK_MS: then EndpointStuck, and
 poisoned and replaces the endpoint, as for a head-of-line-blocked one; an endpoint that cannot be
 closed is abandoned (leaked, logged). On shm the shim also watches the locks themselves
 (shmlocks.py; options shm_lock_guard=False turns that off) and each peer's process, and
-releases a peer's lock that its process died holding (shmwatch.c; shm_lock_look=False, for tests,
-skips the look before posting so that a writer waits inside).
+releases a lock that a peer died holding (shmwatch.c: the peer's, or ours while a peer has just
+died; shm_lock_look=False, for tests, skips the looks so that a thread waits inside).
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ class LibfabricBackend(Healing, TransferBackend):
         fin.atexit = False  # at exit daemon threads may still call in: leak instead
         self._fins[self._key(ep[0])] = fin
         if self.provider == "shm" and self._guard:
-            self._lock_off = shmlocks.guard_self(ep[0], address_of(ep[0]))
+            self._lock_off = shmlocks.guard_self(ep[0], address_of(ep[0]), self._look)
         return ep[0]
 
     def _start_poller(self) -> None:

@@ -62,8 +62,12 @@
  * a post that backs off. A write posted in between to a peer just dead fails with the peer
  * (control channel EOF), like one posted just before it died. */
 #define PID_CHECK_NS 1000000LL
-/* A dead peer's region lock found held at every look for this long is released (shmwatch.c). */
+/* A dead peer's region lock found held at every look for this long is released; our own, held
+ * since about when a peer died, after OWN_HELD_NS (shmwatch.c): both well inside STUCK_NS. The
+ * watchdog looks about every LOOK_NS. */
 #define DEAD_HELD_NS (150LL * 1000000LL)
+#define OWN_HELD_NS (800LL * 1000000LL)
+#define LOOK_NS (100LL * 1000000LL)
 #if defined(__x86_64__) || defined(__i386__)
 #define cpu_relax() __builtin_ia32_pause()
 #elif defined(__aarch64__)
@@ -594,7 +598,7 @@ int shim_getname(shim_ep *e, void *buf, size_t *len, char *err, size_t errlen) {
     return 0;
 }
 
-int shim_guard_self(shim_ep *e, const char *region, int64_t lock_off, char *err, size_t errlen) {
+int shim_guard_self(shim_ep *e, const char *region, int64_t lock_off, int flags, char *err, size_t errlen) {
     void *m; size_t n; const int *w;
     int ret = enter(e, err, errlen);
     if (ret) return ret;
@@ -609,6 +613,13 @@ int shim_guard_self(shim_ep *e, const char *region, int64_t lock_off, char *err,
     } else {
         if (e->own_map) munmap(e->own_map, e->own_maplen);
         e->own_map = m; e->own_maplen = n; e->own_lock = w; e->own_busy_since = 0;
+        /* our poller may still end up waiting inside on it (a peer takes it between our look and
+         * fi_cq_read's lock, then dies): released there once a peer is dead (shmwatch.c) */
+        int r = shmwatch_add_own(e->dead, region, lock_off);
+        if (r && err && errlen)
+            snprintf(err, errlen, "shim_guard_self: our lock is looked at, but would stay held if a peer died "
+                     "holding it (%s)", strerror(-r));
+        if (flags & SHIM_GUARD_NO_LOOK) e->own_lock = NULL;
     }
     leave(e);
     return ret;
@@ -1027,7 +1038,7 @@ int shim_abandon_batch(shim_ep *e, uint64_t batch_id) {
 }
 
 int shim_release_dead_locks(shim_ep *e, char *msg, size_t msglen) {
-    return shmwatch_release_dead(e->dead, now_ns(), DEAD_HELD_NS, msg, msglen);
+    return shmwatch_release_dead(e->dead, now_ns(), DEAD_HELD_NS, OWN_HELD_NS, 2 * LOOK_NS, msg, msglen);
 }
 
 int shim_check(shim_ep *e) {

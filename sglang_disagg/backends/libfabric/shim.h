@@ -46,10 +46,11 @@ int shim_getname(shim_ep *ep, void *buf, size_t *len, char *err, size_t errlen);
  * libfabric. region: the shm object's name (/dev/shm/<region>); lock_off: the lock's offset in
  * it, or -1 for none. shim_guard_self: our own region, before the first poll. shim_guard_peer:
  * a peer in our AV; pid > 0: posts to it fail with -FI_ECONNRESET once that process exited. */
-int shim_guard_self(shim_ep *ep, const char *region, int64_t lock_off, char *err, size_t errlen);
-/* flags: SHIM_GUARD_NO_LOOK: posts do not look at the peer's lock first (tests: a writer then
- * waits inside the provider, where only shim_release_dead_locks gets it out). */
+/* flags: SHIM_GUARD_NO_LOOK: the lock is not looked at before fi_cq_read (ours) or fi_writedata
+ * (the peer's), only watched (tests: a thread then waits inside the provider, where only
+ * shim_release_dead_locks gets it out). */
 enum { SHIM_GUARD_NO_LOOK = 1 };
+int shim_guard_self(shim_ep *ep, const char *region, int64_t lock_off, int flags, char *err, size_t errlen);
 int shim_guard_peer(shim_ep *ep, uint64_t fi_addr, int pid, const char *region, int64_t lock_off,
                     int flags, char *err, size_t errlen);
 int shim_av_insert(shim_ep *ep, const void *addr, size_t addrlen, uint64_t *fi_addr, char *err, size_t errlen);
@@ -70,7 +71,8 @@ int shim_live_batches(shim_ep *ep);
 int shim_check(shim_ep *ep);
 /* For the watchdog, without waiting and without the endpoint's mutex (a thread spinning inside
  * the provider holds it): release the region locks of guarded peers whose process exited holding
- * them. Returns how many were released, msg naming one. */
+ * them, and our own when it stays held while a peer has exited. Returns how many were released,
+ * msg naming one. */
 int shim_release_dead_locks(shim_ep *ep, char *msg, size_t msglen);
 int64_t shim_bench(shim_ep *ep, uint64_t peer, size_t n, const uint64_t *mr,
                    const uint64_t *src_off, const uint64_t *raddr, const uint64_t *rkey,

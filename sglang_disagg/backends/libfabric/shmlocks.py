@@ -80,16 +80,19 @@ def owns_region(pid: int, region: str) -> bool:
         return False
 
 
-def guard_self(ep: Any, raw: bytes) -> int:
-    """Watch our own region's lock (before the first poll); returns the lock offset, -1 if none."""
+def guard_self(ep: Any, raw: bytes, look: bool = True) -> int:
+    """Watch our own region's lock (before the first poll); returns the lock offset, -1 if none.
+    look=False: not looked at before each poll, only released should a peer die holding it (tests)."""
     who = region_of(raw)
     off = lock_offset(who[1]) if who else None
     if off is None:
         return -1
     err = Errbuf()
-    if lib.shim_guard_self(ep, who[1].encode(), off, err.buf, 256):
+    if lib.shim_guard_self(ep, who[1].encode(), off, 0 if look else lib.SHIM_GUARD_NO_LOOK, err.buf, 256):
         log.warning("libfabric shm: our region's lock is not guarded: %s", err)
         return -1
+    if str(err):
+        log.warning("libfabric shm: %s", err)
     return off
 
 
