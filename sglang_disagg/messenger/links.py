@@ -11,9 +11,9 @@ Requests go to the ready link with the fewest outstanding requests.
 A link whose server keeps failing valid orders (FAIL_STRIKES requests in a row: its writes
 into this decoder fail, or never arrive) is FAILING: out of use, so requests go to another
 server or fail at once with the reason, instead of each one burning a prefill. After a
-backoff (the decoder's `recheck_s`, doubling up to RECHECK_MAX_S) it is connected again from scratch (a new Hello: the server
-re-reads this decoder's regions) and comes back on probation: one more failure and it is
-FAILING again, one success and it is trusted again.
+backoff (the decoder's `recheck_s`, doubling up to RECHECK_MAX_S) it is connected again from
+scratch (a new Hello: the server re-reads this decoder's regions) and comes back on probation:
+one more failure and it is FAILING again, one success and it is trusted again.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class LinkState(enum.Enum):
 
 
 class Link:
-    def __init__(self, address: str, recheck_s: float) -> None:
+    def __init__(self, address: str, backoff: float) -> None:
         self.address = address
         self.state = LinkState.CONNECTING
         self.reason = "not contacted yet"
@@ -57,7 +57,7 @@ class Link:
         self.outstanding = 0
         self.strikes = 0         # requests in a row its server failed (scheduler thread)
         self.recheck_at = 0.0    # FAILING: when it is connected again
-        self.first_backoff = self.backoff = recheck_s
+        self.backoff = backoff   # FAILING next: how long until it is connected again
         self._reply = threading.Event()
         self._answer: wire.Message | None = None
 
@@ -76,7 +76,7 @@ class Link:
 class Links:
     def __init__(self, node: Any, hello: wire.Hello, addresses: tuple[str, ...], connect_timeout_s: float,
                  on_change: Any = None, recheck_s: float = 1.0) -> None:
-        self._node, self._hello, self._timeout = node, hello, connect_timeout_s
+        self._node, self._hello, self._timeout, self._recheck_s = node, hello, connect_timeout_s, recheck_s
         self._on_change = on_change or (lambda: None)  # wakes the scheduler: entries wait on link states
         self.links = {a: Link(a, recheck_s) for a in addresses}
         self._by_peer: dict[str, Link] = {}
@@ -114,7 +114,7 @@ class Links:
         if link is None:
             return
         if not error:
-            link.strikes, link.backoff = 0, link.first_backoff
+            link.strikes, link.backoff = 0, self._recheck_s
             return
         link.strikes += 1
         if link.strikes < FAIL_STRIKES or link.state is not LinkState.READY:
@@ -123,7 +123,7 @@ class Links:
         link.state, link.reason = LinkState.FAILING, (
             f"its last {link.strikes} requests failed, the last one with: {error}; "
             f"connected again in {link.backoff:g} s")
-        link.backoff = min(2 * link.backoff, max(RECHECK_MAX_S, link.first_backoff))
+        link.backoff = min(2 * link.backoff, max(RECHECK_MAX_S, self._recheck_s))
         logger.error("messenger: prefill server %s out of use: %s", address, link.reason)
         self._on_change()
 

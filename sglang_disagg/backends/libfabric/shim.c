@@ -285,18 +285,9 @@ static int wait_free(const int *w) {
 
 /* Maps the first page of /dev/shm/<region> read-only; *lock = the int at `off`. */
 static int map_lock(const char *region, int64_t off, void **map, size_t *len, const int **lock) {
-    long pg = sysconf(_SC_PAGESIZE);
-    if (off < 0 || off % (int64_t)sizeof(int) || off + (int64_t)sizeof(int) > pg) return -FI_EINVAL;
-    int fd = shm_open(region, O_RDONLY, 0);
-    if (fd < 0) return -errno;
-    struct stat st;
-    int ret = fstat(fd, &st) ? -errno : st.st_size < off + (off_t)sizeof(int) ? -FI_EINVAL : 0;
-    void *m = ret ? MAP_FAILED : mmap(NULL, (size_t)pg, PROT_READ, MAP_SHARED, fd, 0);
-    if (!ret && m == MAP_FAILED) ret = -errno;
-    close(fd);
-    if (ret) return ret;
-    *map = m; *len = (size_t)pg; *lock = (const int *)((const char *)m + off);
-    return 0;
+    int ret = shm_map_page(region, off, 0, map, len);
+    if (!ret) *lock = (const int *)((const char *)*map + off);
+    return ret;
 }
 
 /* Sticky: a pidfd turns readable when its process exits (a zombie too). `now`: 0 to poll

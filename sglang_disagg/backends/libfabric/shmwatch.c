@@ -107,13 +107,15 @@ static int append_locked(shmwatch *w, struct watched x) {
     return 0;
 }
 
-static int map_rw(const char *region, int64_t lock_off, void **map, size_t *len) {
+int shm_map_page(const char *region, int64_t off, int writable, void **map, size_t *len) {
     long pg = sysconf(_SC_PAGESIZE);
-    if (lock_off < 0 || lock_off % (int64_t)sizeof(int) || lock_off + (int64_t)sizeof(int) > pg) return -EINVAL;
-    int fd = shm_open(region, O_RDWR, 0);
+    if (off < 0 || off % (int64_t)sizeof(int) || off + (int64_t)sizeof(int) > pg) return -EINVAL;
+    int fd = shm_open(region, writable ? O_RDWR : O_RDONLY, 0);
     if (fd < 0) return -errno;
-    void *m = mmap(NULL, (size_t)pg, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    int ret = m == MAP_FAILED ? -errno : 0;
+    struct stat st;
+    int ret = fstat(fd, &st) ? -errno : st.st_size < off + (off_t)sizeof(int) ? -EINVAL : 0;
+    void *m = ret ? MAP_FAILED : mmap(NULL, (size_t)pg, PROT_READ | (writable ? PROT_WRITE : 0), MAP_SHARED, fd, 0);
+    if (!ret && m == MAP_FAILED) ret = -errno;
     close(fd);
     if (!ret) { *map = m; *len = (size_t)pg; }
     return ret;
@@ -122,7 +124,7 @@ static int map_rw(const char *region, int64_t lock_off, void **map, size_t *len)
 static int add(shmwatch *w, uint64_t key, int own, int pidfd, const char *region, int64_t lock_off) {
     void *m = NULL; size_t len = 0;
     if (!w || (!own && pidfd < 0)) return -EINVAL;
-    int ret = map_rw(region, lock_off, &m, &len);
+    int ret = shm_map_page(region, lock_off, 1, &m, &len);
     if (ret) return ret;
     int dup_fd = own ? -1 : fcntl(pidfd, F_DUPFD_CLOEXEC, 0);
     if (!own && dup_fd < 0) { ret = -errno; munmap(m, len); return ret; }

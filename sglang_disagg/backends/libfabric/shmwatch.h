@@ -5,6 +5,10 @@
 
 typedef struct shmwatch shmwatch;
 
+/* Map the first page of /dev/shm/<region> (read-only, or writable), checking that an int at
+ * `off` lies in it and in the object: 0, or a negative errno. Shared with the shim's looks. */
+int shm_map_page(const char *region, int64_t off, int writable, void **map, size_t *len);
+
 shmwatch *shmwatch_new(int free_value);
 void shmwatch_free(shmwatch *w);
 /* Watch the lock at `lock_off` of /dev/shm/<region>, owned by the process behind `pidfd`
