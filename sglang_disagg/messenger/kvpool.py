@@ -72,11 +72,12 @@ class KVPoolView:
         return cls(geometry, tuple(tensors), str(k.dtype).removeprefix("torch."),
                    draft.layer_num if draft is not None else 0)
 
-    def spec(self, model: str, fingerprint: str, tp: int, draft: str = "") -> KVSpec:
+    def spec(self, model: str, fingerprint: str, tp: int, draft: str = "", draft_hidden_size: int = 0) -> KVSpec:
         g = self.geometry
         return KVSpec(model=model, fingerprint=fingerprint, num_layers=self.target_layers, kv_heads=g.kv_heads,
                       head_dim=g.head_dim, v_head_dim=g.v_head_dim, page_size=g.page_size, dtype=self.dtype,
-                      layout=g.layout.value, tp=tp, draft=draft, draft_layers=self.draft_layers)
+                      layout=g.layout.value, tp=tp, draft=draft, draft_layers=self.draft_layers,
+                      draft_hidden_size=draft_hidden_size)
 
     def register(self, backend: TransferBackend) -> tuple[list[MemoryRegion], list[str]]:
         regions, descriptors = [], []

@@ -20,7 +20,9 @@ servers (``--role colocated``) are not the messenger's business and run what SGL
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 # Flags that turn speculative decoding on in SGLang's server arguments.
@@ -99,3 +101,15 @@ def draft_id(server_args: Any) -> str:
     from .compat import fingerprint
 
     return f"{str(algorithm).upper()}:{fingerprint(str(server_args.speculative_draft_model_path))}"
+
+
+def draft_hidden_size(server_args: Any) -> int:
+    """The draft's hidden size from its config.json (0 without speculation, or when the
+    directory has none: the fingerprint still tells two drafts apart)."""
+    if not getattr(server_args, "speculative_algorithm", None):
+        return 0
+    config = Path(str(server_args.speculative_draft_model_path)) / "config.json"
+    try:
+        return int(json.loads(config.read_text()).get("hidden_size", 0))
+    except (OSError, ValueError, TypeError):
+        return 0

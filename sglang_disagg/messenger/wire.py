@@ -28,7 +28,8 @@ import typing
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
-WIRE_VERSION = 3  # 2: OrderFailed.blame; 3: KVSpec.draft/draft_layers, PrefillOrder.last_token
+WIRE_VERSION = 4  # 2: OrderFailed.blame; 3: KVSpec.draft/draft_layers, PrefillOrder.last_token;
+# 4: KVSpec.draft_hidden_size
 MAX_TOKENS = 1 << 20
 
 
@@ -52,9 +53,12 @@ class KVSpec:
     tp: int
     # Speculative decoding: which draft ("ALGORITHM:fingerprint", "" for none) and how many
     # layers its KV pool adds (pages share the target's slots; region order: target layers,
-    # then the draft's).
+    # then the draft's). Its heads, head dim and dtype are the target's (a server whose draft
+    # pool differs refuses to start), so the fields above cover them; the hidden size is
+    # named apart so that a refusal says which part of two drafts differs.
     draft: str = ""
     draft_layers: int = 0
+    draft_hidden_size: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -206,6 +206,8 @@ def _refused_without_draft(stack: Stack, draft: Draft) -> None:
     link, _ = first_contact(backend, hello, f"127.0.0.1:{stack.cfg.ports.bootstrap}")
     assert REFUSED_MARK in link.reason
     assert f"speculative draft differs (decoder: none, prefill: {draft.algorithm}:" in link.reason, link.reason
+    hidden = get_spec(draft.draft).hidden_size
+    assert f"draft_hidden_size differs (decoder: 0, prefill: {hidden})" in link.reason, link.reason
 
 
 def test_zeroed_draft_kv_first_contact_and_a_fault(spec_reference):

@@ -66,6 +66,20 @@ def test_builtin_draft_names_resolve_to_their_directory():
                                                                                  "/my/draft"]
 
 
+def test_first_contact_reads_the_draft_hidden_size_from_its_config():
+    import json
+
+    from sglang_disagg.messenger.speculative import draft_hidden_size
+    from sglang_disagg.models import ensure_model
+
+    for name in ("tiny-llama-draft", "tiny-llama-1l-eagle"):
+        path = ensure_model(name)
+        want = json.loads((path / "config.json").read_text())["hidden_size"]
+        args = SimpleNamespace(speculative_algorithm="EAGLE", speculative_draft_model_path=str(path))
+        assert draft_hidden_size(args) == want > 0, name
+    assert draft_hidden_size(SimpleNamespace(speculative_algorithm=None)) == 0
+
+
 def _pool(layers: int, heads: int = 2, dim: int = 64, page: int = 16):
     import torch
 
@@ -82,10 +96,15 @@ def test_the_draft_pool_is_planned_after_the_target_and_compared_at_first_contac
     view = KVPoolView.from_pool(target, 2, draft)
     assert view.geometry.num_layers == 6 and view.target_layers == 4 and view.draft_layers == 2
     assert view.tensors[8] is draft.k_buffer[0] and view.tensors[11] is draft.v_buffer[1]
-    with_draft = view.spec("m", "f", 1, "STANDALONE:abc")
+    with_draft = view.spec("m", "f", 1, "STANDALONE:abc", 256)
     without = KVPoolView.from_pool(target, 2).spec("m", "f", 1)
     assert with_draft.num_layers == without.num_layers == 4 and with_draft.draft_layers == 2
     assert compat.differences(without, with_draft) == [
-        "speculative draft differs (decoder: none, prefill: STANDALONE:abc)", "draft_layers differs (decoder: 0, prefill: 2)"]
+        "speculative draft differs (decoder: none, prefill: STANDALONE:abc)", "draft_layers differs (decoder: 0, prefill: 2)",
+        "draft_hidden_size differs (decoder: 0, prefill: 256)"]
+    wider = view.spec("m", "f", 1, "STANDALONE:abd", 512)
+    assert compat.differences(wider, with_draft) == [
+        "speculative draft differs (decoder: STANDALONE:abd, prefill: STANDALONE:abc)",
+        "draft_hidden_size differs (decoder: 512, prefill: 256)"]
     with pytest.raises(LayoutError, match=r"speculative draft's KV pool .* differs from the target's"):
         KVPoolView.from_pool(target, 2, _pool(2, heads=1))
