@@ -88,7 +88,7 @@ class Node:
         name = args.served_model_name or model_path
         self.name = cfg.name or f"{cfg.role.value}@{self.backend.address if self.backend else '?'}"
         self.spec = self.view.spec(os.path.basename(str(name).rstrip("/")), compat.fingerprint(model_path),
-                                   self.ranks.size, speculative.draft_id(args), speculative.draft_hidden_size(args))
+                                   self.ranks.size, *speculative.draft_identity(args))
         self.wakeup = Wakeup()
         self.stats_file = StatsFile(cfg.stats_file if self.ranks.is_leader else "")
         # Every rank updates its own registry; only the leader's is served.

@@ -93,23 +93,18 @@ def draft_pool(scheduler: Any) -> Any:
     return runner.token_to_kv_pool
 
 
-def draft_id(server_args: Any) -> str:
-    """What first contact compares of the draft: its algorithm and model ("" for none)."""
+def draft_identity(server_args: Any) -> tuple[str, int]:
+    """What first contact compares of the draft: "ALGORITHM:fingerprint" and its hidden size
+    from its config.json (("", 0) without speculation; size 0 when the directory has no
+    readable config: the fingerprint still tells two drafts apart)."""
     algorithm = getattr(server_args, "speculative_algorithm", None)
     if not algorithm:
-        return ""
+        return "", 0
     from .compat import fingerprint
 
-    return f"{str(algorithm).upper()}:{fingerprint(str(server_args.speculative_draft_model_path))}"
-
-
-def draft_hidden_size(server_args: Any) -> int:
-    """The draft's hidden size from its config.json (0 without speculation, or when the
-    directory has none: the fingerprint still tells two drafts apart)."""
-    if not getattr(server_args, "speculative_algorithm", None):
-        return 0
-    config = Path(str(server_args.speculative_draft_model_path)) / "config.json"
+    path = str(server_args.speculative_draft_model_path)
     try:
-        return int(json.loads(config.read_text()).get("hidden_size", 0))
+        hidden = int(json.loads((Path(path) / "config.json").read_text()).get("hidden_size", 0))
     except (OSError, ValueError, TypeError):
-        return 0
+        hidden = 0
+    return f"{str(algorithm).upper()}:{fingerprint(path)}", hidden

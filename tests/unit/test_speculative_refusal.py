@@ -69,15 +69,16 @@ def test_builtin_draft_names_resolve_to_their_directory():
 def test_first_contact_reads_the_draft_hidden_size_from_its_config():
     import json
 
-    from sglang_disagg.messenger.speculative import draft_hidden_size
+    from sglang_disagg.messenger.speculative import draft_identity
     from sglang_disagg.models import ensure_model
 
     for name in ("tiny-llama-draft", "tiny-llama-1l-eagle"):
         path = ensure_model(name)
         want = json.loads((path / "config.json").read_text())["hidden_size"]
         args = SimpleNamespace(speculative_algorithm="EAGLE", speculative_draft_model_path=str(path))
-        assert draft_hidden_size(args) == want > 0, name
-    assert draft_hidden_size(SimpleNamespace(speculative_algorithm=None)) == 0
+        draft, hidden = draft_identity(args)
+        assert hidden == want > 0 and draft.startswith("EAGLE:"), name
+    assert draft_identity(SimpleNamespace(speculative_algorithm=None)) == ("", 0)
 
 
 def _pool(layers: int, heads: int = 2, dim: int = 64, page: int = 16):

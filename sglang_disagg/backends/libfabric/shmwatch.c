@@ -6,7 +6,7 @@
  * inside fi_writedata for good, holding the endpoint (seen in CI, and in about one of seven
  * receiver kills of the conformance suite run in a loop). Nothing takes that thread out but the
  * word turning free. So a watched lock is released here once the region's owner has exited (its
- * pidfd) and the word was held at every look for min_held_ns: a live process holds it for
+ * pidfd) and the word was held at every look for peer_held_ns: a live process holds it for
  * microseconds, and our senders stop posting to a dead peer within the shim's pid check
  * interval, so what holds it by then is the dead process. The release stores what
  * pthread_spin_unlock stores. The region is nobody's any more: the thread let in queues a

@@ -1,5 +1,7 @@
 /* Spinlocks in libfabric shm regions whose owner died holding them: released (shmwatch.c).
  * Internal to the shim (not part of the cffi cdef). */
+#ifndef SGLANG_DISAGG_SHMWATCH_H
+#define SGLANG_DISAGG_SHMWATCH_H
 #include <stddef.h>
 #include <stdint.h>
 
@@ -25,3 +27,5 @@ void shmwatch_clear(shmwatch *w);
  * about when a peer died; returns how many, `msg` naming the last one. Never waits. */
 int shmwatch_release_dead(shmwatch *w, int64_t now_ns, int64_t peer_held_ns, int64_t own_held_ns,
                           int64_t look_ns, char *msg, size_t msglen);
+
+#endif
