@@ -8,5 +8,5 @@ from setuptools import setup
 
 setup(
     cffi_modules=["sglang_disagg/backends/libfabric/_build.py:ffibuilder"],
-    package_data={"sglang_disagg.backends.libfabric": ["shim.c", "shim.h", "shmwatch.c", "shmwatch.h"]},
+    package_data={"sglang_disagg.backends.libfabric": ["shim.c", "shim.h"]},
 )

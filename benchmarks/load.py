@@ -1,5 +1,5 @@
 """Bounded load test through the real router (smg) in front of the launcher's default stack
-(`--role all`: messenger mode, libfabric shm), with an abort storm, then the checks a
+(`--role all`: messenger mode, shmem), with an abort storm, then the checks a
 production roll-out would want before trusting it:
 
     python benchmarks/load.py --out DIR [--quick] [--requests N --concurrency C]
@@ -241,7 +241,7 @@ def main(argv: list[str]) -> int:
     doc.update({"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                             "load_average_at_start": load_at_start},  # other work on the same cores
                 "command": "python benchmarks/load.py " + " ".join(argv), "logs": str(logs),
-                "config": {"stack": "--role all (messenger, libfabric/shm)", "model": args.model,
+                "config": {"stack": "--role all (messenger, shmem)", "model": args.model,
                            "max_total_tokens": args.max_total_tokens, "extra_args": list(EXTRA_ARGS), "seed": args.seed,
                            "abort_fraction": args.abort_fraction},
                 "messenger_counters": {k: {x: y for x, y in (v or {}).items() if x != "recent"}

@@ -3,7 +3,7 @@
     python benchmarks/poller_cost.py --out DIR [--runs 3] [--summarize]
 
 Runs benchmarks/serving.py (SGLang's bench_serving, 64 random prompts of ~256 tokens, 32
-output tokens, concurrency 16, tiny-llama, libfabric shm) `--runs` times, each run both
+output tokens, concurrency 16, tiny-llama, shmem) `--runs` times, each run both
 configurations one after the other, into DIR/runN/; then writes DIR/summary.json: per
 configuration the median over runs of input tok/s (prefill work under load), output tok/s,
 TTFT and ITL medians, and streaming's ratio to --no-stream. On this 2-core machine runs
@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-CONFIGS = ("messenger:libfabric:shm", "messenger:libfabric:shm+no-stream")
+CONFIGS = ("messenger:shmem", "messenger:shmem+no-stream")
 METRICS = ("input_throughput", "output_throughput", "median_ttft_ms", "median_itl_ms")
 
 

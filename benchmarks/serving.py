@@ -1,7 +1,7 @@
 """Serving under concurrency with SGLang's own client, one configuration after the other.
 
     python benchmarks/serving.py --out DIR [--quick] [--model tiny-llama]
-        [--configs colocated messenger:libfabric:shm upstream:mooncake]
+        [--configs colocated messenger:shmem upstream:mooncake]
         [--num-prompts 64] [--input-len 256] [--output-len 32] [--range-ratio 0.5] [--max-concurrency 16]
 
 For each configuration: start it with the launcher (`--role colocated` or `--role all`),
@@ -43,14 +43,24 @@ def bench(stack: Stack, args, model_dir: Path, out_file: Path) -> dict:
     if r.returncode != 0 or not out_file.exists():
         raise RuntimeError(f"bench_serving failed (rc {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     result = json.loads(out_file.read_text().splitlines()[-1])
+    lost(result, args.num_prompts)
     return {k: result[k] for k in METRICS}
+
+
+def lost(result: dict, num_prompts: int) -> None:
+    """A run that lost requests fails: its latencies would describe a shorter, kinder
+    sample (bench_serving itself only counts them)."""
+    if result["completed"] < num_prompts:
+        errors = sorted({e.strip().splitlines()[-1][:200] for e in result.get("errors", []) if e})
+        raise RuntimeError(f"bench_serving served {result['completed']} of {num_prompts} requests; "
+                           f"errors: {errors[:3]}")
 
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default="tiny-llama")
-    ap.add_argument("--configs", nargs="+", default=["colocated", "messenger:libfabric:shm", "upstream:mooncake"])
+    ap.add_argument("--configs", nargs="+", default=["colocated", "messenger:shmem", "upstream:mooncake"])
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=32)

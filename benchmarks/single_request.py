@@ -1,7 +1,7 @@
 """Single-request latency and throughput: colocated vs the messenger vs upstream PD, one run.
 
     python benchmarks/single_request.py --out DIR [--model tiny-llama] [--quick]
-        [--configs colocated messenger:libfabric:shm messenger:nixl upstream:mooncake ...]
+        [--configs colocated messenger:shmem messenger:nixl upstream:mooncake ...]
         [--prompt-tokens 32 512 2048] [--output-tokens 64] [--repeats 5]
 
 Starts each configuration in turn (one at a time, so they do not compete for the cores),
@@ -35,7 +35,7 @@ from sglang_disagg.models import BUILTIN_MODELS
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from stack_configs import launch_config  # noqa: E402
 
-DEFAULT_CONFIGS = ["colocated", "messenger:libfabric:shm", "messenger:libfabric:tcp", "messenger:nixl",
+DEFAULT_CONFIGS = ["colocated", "messenger:shmem", "messenger:libfabric:tcp", "messenger:nixl",
                    "messenger:mooncake", "upstream:mooncake"]
 
 
@@ -120,7 +120,7 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.repeats, args.prompt_tokens = 2, [32, 512]
-        args.configs = ["colocated", "messenger:libfabric:shm", "upstream:mooncake"]
+        args.configs = ["colocated", "messenger:shmem", "upstream:mooncake"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     logs = Path(tempfile.mkdtemp(prefix="bench-single-"))

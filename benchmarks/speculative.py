@@ -5,7 +5,7 @@
 Four configurations, one after another on this machine, float32, chunked prefill 64, the
 messenger's page size (16) everywhere: ``colocated_spec`` (one SGLang server with
 speculation, one step, top-k 1, two draft tokens: STANDALONE, tiny-llama with the built-in
-draft tiny-llama-draft; or EAGLE, tiny-llama-1l with its built-in head tiny-llama-1l-eagle), ``messenger_spec`` (--role all, libfabric shm, the same speculation: the
+draft tiny-llama-draft; or EAGLE, tiny-llama-1l with its built-in head tiny-llama-1l-eagle), ``messenger_spec`` (--role all, shmem, the same speculation: the
 draft's KV crosses with the target's), ``messenger_spec_cold_draft`` (the same, the decoder
 zeroing the draft's layers of what it received: a draft whose state did not cross) and
 ``messenger`` (--role all without speculation).

@@ -1,5 +1,5 @@
 """The stacks the end-to-end benchmarks compare, named on the command line as
-``colocated`` or ``MODE:BACKEND[:PROVIDER]`` (e.g. ``messenger:libfabric:shm``,
+``colocated`` or ``MODE:BACKEND[:PROVIDER]`` (e.g. ``messenger:libfabric:tcp``,
 ``upstream:mooncake``), optionally with ``+no-stream`` (the messenger writing each chunk
 after its forward) and ``+spawn`` (servers spawn their scheduler and detokenizer, as SGLang
 alone does, instead of the launcher's fork), turned into launcher configurations."""

@@ -1,7 +1,7 @@
 """First contact: how long `--role all` takes to be ready, against one colocated server, in one run.
 
     python benchmarks/startup.py --out DIR [--model tiny-llama] [--repeats 3]
-        [--configs colocated messenger:libfabric:shm colocated+spawn ...]
+        [--configs colocated messenger:shmem colocated+spawn ...]
 
 Starts each configuration `--repeats` times, alternating (so a slow minute of a shared
 machine hits both), with the launcher's own definition of ready: every server healthy, and
@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from stack_configs import launch_config  # noqa: E402
 
 # +spawn: the same stacks with SGLang's own start method, for how much the launcher's fork saves.
-DEFAULT_CONFIGS = ["colocated", "messenger:libfabric:shm", "colocated+spawn", "messenger:libfabric:shm+spawn"]
+DEFAULT_CONFIGS = ["colocated", "messenger:shmem", "colocated+spawn", "messenger:shmem+spawn"]
 
 
 def start_once(name: str, model: str, port: int, logs: Path) -> dict:

@@ -50,7 +50,7 @@ from single_request import prompt_of  # noqa: E402
 
 def _configs(model: str, port: int, logs: Path) -> dict[str, LaunchConfig]:
     base = dict(model=model, port=port, max_total_tokens=16384)
-    messenger = LaunchConfig(role=Role.ALL, backend="libfabric", provider="shm", **base)
+    messenger = LaunchConfig(role=Role.ALL, backend="shmem", **base)
     # The prefill server of a one-machine stack computes on its share of the cores only;
     # a colocated server held to that share is the baseline that isolates disaggregation.
     prefill_threads = str(len(server_cores(messenger, Role.PREFILL)))

@@ -1,12 +1,12 @@
 """Transfer benchmark: KV-shaped workloads over every backend / provider in one run.
 
-    python benchmarks/transfer.py --out DIR [--quick] [--backends libfabric:shm,nixl] [--workloads page-1M]
+    python benchmarks/transfer.py --out DIR [--quick] [--backends libfabric:tcp,nixl] [--workloads page-1M]
 
 Writes DIR/transfer.json (rows: backend, provider, workload, page_bytes, gbps, writes_per_s,
 p50_ms, p99_ms, ...; top level: memcpy_gbps (one stream) and memcpy_256k_pages_gbps (scattered
 pages, the physical limit of the page workloads), tcp_loopback_gbps, measured in the same run)
-and DIR/transfer.png (process_vm_writev_gbps too: one-copy writes into another process, the
-mechanism under libfabric shm). Each backend runs as a writer process and a reader process; the
+and DIR/transfer.png (process_vm_writev_gbps too: one-copy writes into another process, CMA, a
+same-host transport's floor). Each backend runs as a writer process and a reader process; the
 "raw" rows are our libfabric shim posting and polling in a C loop, with no Python per
 batch, on the same provider, to show what the Python layer costs.
 """
@@ -33,7 +33,7 @@ from transfer_workloads import region_bytes, workloads  # noqa: E402
 from sglang_disagg.backends import available  # noqa: E402
 
 HERE = Path(__file__).parent
-TARGETS = [("libfabric", "shm"), ("libfabric", "tcp"), ("nixl", None), ("mooncake", None), ("shmem", None)]
+TARGETS = [("libfabric", "tcp"), ("nixl", None), ("mooncake", None), ("shmem", None)]
 ENV = {**os.environ, "UCX_NET_DEVICES": "lo", "GLOG_minloglevel": "2", "NIXL_LOG_LEVEL": "WARN"}
 
 
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--quick", action="store_true", help="small workloads, short budget (< 1 min)")
-    ap.add_argument("--backends", help="comma list of backend[:provider], e.g. libfabric:shm,nixl")
+    ap.add_argument("--backends", help="comma list of backend[:provider], e.g. libfabric:tcp,nixl")
     ap.add_argument("--workloads", help="comma list of workload names (see transfer_workloads.py)")
     ap.add_argument("--budget", type=float, help="seconds per (target, workload)")
     ap.add_argument("--request-mib", type=int, help="bytes per request of the page-* workloads (MiB)")

@@ -2,7 +2,7 @@
 
 Usage (decode side receives, prefill side writes)::
 
-    be = get_backend("libfabric")(BackendConfig(provider="shm"))
+    be = get_backend("libfabric")(BackendConfig(provider="tcp"))
     region, desc = be.register(addr, length)      # desc: bytes, send it to the writer
     peer = be.connect("127.0.0.1:40123")          # or accepted: be.wait_peer(timeout)
     remote = peer.add_remote_region(desc_from_peer)   # validated, bound to that peer

@@ -11,7 +11,8 @@ DEFAULT_BATCH_TIMEOUT_S = 120.0
 
 @dataclass(frozen=True, slots=True)
 class BackendConfig:
-    """`provider` selects the libfabric provider ("shm", "tcp" = tcp;ofi_rxm, "efa", "verbs");
+    """`provider` selects the libfabric provider ("tcp" = tcp;ofi_rxm, the default; "efa", "verbs";
+    "shm" is refused, see backends/libfabric/__init__.py);
     other backends ignore it. `host` is where the control channel listens (and, for TCP
     transports, the data path binds): loopback in tests. `port` is the control channel's
     port (0: any free port). `options` are backend specific.

@@ -2,8 +2,8 @@
 
 One socket per peer pair. A process that dies has its sockets closed by the kernel,
 so EOF on this socket tells the survivor within milliseconds, for every backend alike,
-without waiting for the next write to fail (shm never fails it; tcp;ofi_rxm and
-Mooncake only on the next write). TCP keepalive covers hosts that vanish silently.
+without waiting for the next write to fail (tcp;ofi_rxm and Mooncake fail only the
+next write). TCP keepalive covers hosts that vanish silently.
 
 A connection is authenticated first (auth.py: fixed-size challenge and proof, nothing
 parsed), then must be admitted by a HELLO within the handshake timeout; until then only

@@ -1,16 +1,15 @@
 """Same host, decided by whether a peer's memory can actually be reached from here.
 
-Backends that write straight into a peer's memory (shmem maps it; libfabric shm uses
-process_vm_writev and /dev/shm) work only between processes that see one another: one
-/proc (PID namespace) and one kernel. boot_id cannot tell: network, PID and mount
-namespaces share it, and so would two containers on one machine that cannot reach each
-other's memory. So each side's HELLO carries a probe (``Probe().info``): a small memfd it
-holds, named as /proc/<pid>/fd/<n> with its device, inode and name, and the random bytes
-written in it. ``check(address, info)`` maps that path exactly as KV would be mapped
-(shm.Mapping: the same path rules and identity checks) and reads the bytes back. Where
-the path is missing, names another process's file (PID numbers repeat across PID
-namespaces) or holds other bytes, the peer is refused at first contact with
-"<address> is not on this host" and why.
+Backends that write straight into a peer's memory (shmem maps it) work only between
+processes that see one another: one /proc (PID namespace) and one kernel. boot_id cannot
+tell: network, PID and mount namespaces share it, and so would two containers on one
+machine that cannot reach each other's memory. So each side's HELLO carries a probe
+(``Probe().info``): a small memfd it holds, named as /proc/<pid>/fd/<n> with its device,
+inode and name, and the random bytes written in it. ``check(address, info)`` maps that
+path exactly as KV would be mapped (shm.Mapping: the same path rules and identity checks)
+and reads the bytes back. Where the path is missing, names another process's file (PID
+numbers repeat across PID namespaces) or holds other bytes, the peer is refused at first
+contact with "<address> is not on this host" and why.
 """
 
 from __future__ import annotations

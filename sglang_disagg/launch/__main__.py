@@ -18,8 +18,8 @@ from sglang_disagg.launch.stack import Stack
 from sglang_disagg.models import DEFAULT_MODEL, ModelError
 
 EPILOG = """Modes: messenger (default) = decoders allocate KV pages and ask prefill servers
-to fill them through sglang_disagg's transfer backends (--backend libfabric|nixl|mooncake,
---provider shm|tcp for libfabric); the router sits in front of the decoders only.
+to fill them through sglang_disagg's transfer backends (--backend shmem|libfabric|nixl|mooncake,
+--provider tcp for libfabric); the router sits in front of the decoders only.
 upstream = SGLang's own PD path (--backend mooncake|nixl), router in PD mode.
 
 Arguments not listed here are passed through to every SGLang server,
@@ -62,9 +62,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--mode", type=Mode, choices=list(Mode), default=Mode.MESSENGER,
                     metavar="{" + ",".join(m.value for m in Mode) + "}")
     ap.add_argument("--backend", "--transfer-backend", dest="backend", default=None,
-                    help="messenger: libfabric (default), nixl, mooncake; upstream: mooncake (default), nixl")
+                    help="messenger: shmem (default for --role all on CPU), libfabric (default across machines "
+                         "and on CUDA), nixl, mooncake; upstream: mooncake (default), nixl")
     ap.add_argument("--provider", default=None,
-                    help="libfabric provider: shm (default for --role all), tcp (default across machines)")
+                    help="libfabric provider: tcp (default), efa/verbs on such hardware; shm is refused (libfabric "
+                         "1.17's shm cannot be bounded when a peer dies: use shmem on one host)")
     ap.add_argument("--page-size", type=int, default=None, help="KV page size in tokens (messenger default 16)")
     ap.add_argument("--prefill-messenger", action="append", default=[],
                     help="decode role, messenger mode: host:port of a prefill server's messenger (repeatable)")

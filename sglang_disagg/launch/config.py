@@ -32,8 +32,9 @@ class UpstreamBackend(str, Enum):
     FAKE = "fake"  # decode only, no KV moves: for negative controls
 
 
-MESSENGER_PROVIDERS = ("shm", "tcp")  # libfabric providers that run on this kind of machine
+MESSENGER_PROVIDERS = ("tcp",)  # libfabric providers that run on this kind of machine (shm: refused)
 DEFAULT_BACKEND = {Mode.MESSENGER: "libfabric", Mode.UPSTREAM: UpstreamBackend.MOONCAKE.value}
+SAME_HOST_BACKEND = "shmem"  # the messenger's default when every server is on this machine (--role all, CPU)
 MESSENGER_PAGE_SIZE = 16  # tokens per KV page: one write moves a page's head-shard
 
 
@@ -113,8 +114,8 @@ class LaunchConfig:
     port: int = 30000
     host: str = "127.0.0.1"
     mode: Mode = Mode.MESSENGER
-    backend: str | None = None  # None: libfabric (messenger) / mooncake (upstream)
-    provider: str | None = None  # libfabric provider; None: shm on one machine, tcp across machines
+    backend: str | None = None  # None: shmem (messenger, --role all on CPU), libfabric (messenger), mooncake (upstream)
+    provider: str | None = None  # libfabric provider; None: tcp
     device: str = "cpu"
     prefill_tp: int = 1
     decode_tp: int = 1
@@ -214,10 +215,14 @@ class LaunchConfig:
         if self.transfer_backend not in known:
             raise ValueError(f"--backend {self.transfer_backend!r}: the messenger's transfer backends are "
                              f"{', '.join(known)}")
+        if self.provider == "shm":
+            from sglang_disagg.backends.libfabric import SHM_REFUSED
+
+            raise ValueError(f"--provider shm: {SHM_REFUSED}")
         if self.provider is not None and self.transfer_backend != "libfabric":
             raise ValueError(f"--provider is a libfabric setting; backend {self.transfer_backend} has none")
         if self.provider is not None and self.provider not in MESSENGER_PROVIDERS + ("efa", "verbs", "net"):
-            raise ValueError(f"--provider {self.provider!r}: choose shm, tcp (or efa/verbs on such hardware)")
+            raise ValueError(f"--provider {self.provider!r}: choose tcp (or efa/verbs on such hardware)")
         if self.role is Role.ROUTER and not self.decode_urls:
             raise ValueError("--role router in messenger mode needs at least one --decode-url (decoders "
                              "reach prefill servers themselves)")
@@ -246,15 +251,19 @@ class LaunchConfig:
 
     @property
     def transfer_backend(self) -> str:
-        return self.backend or DEFAULT_BACKEND[self.mode]
+        """--backend, else: every server on this machine (--role all on CPU, no --provider) shmem;
+        libfabric (tcp) across machines and on CUDA; upstream mooncake."""
+        if self.backend:
+            return self.backend
+        if self.mode is Mode.MESSENGER and self.role is Role.ALL and self.device == "cpu" and self.provider is None:
+            return SAME_HOST_BACKEND
+        return DEFAULT_BACKEND[self.mode]
 
     @property
     def transfer_provider(self) -> str | None:
         if self.transfer_backend != "libfabric" or self.mode is not Mode.MESSENGER:
             return None
-        if self.provider:
-            return self.provider
-        return "shm" if self.role is Role.ALL else "tcp"
+        return self.provider or "tcp"
 
     @property
     def kv_page_size(self) -> int | None:

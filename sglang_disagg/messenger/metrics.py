@@ -25,7 +25,7 @@ from typing import Any
 
 logger = logging.getLogger("sglang_disagg.messenger")
 
-# Writes take tens of microseconds (shm) to seconds (a long prompt over TCP).
+# Writes take tens of microseconds (shmem) to seconds (a long prompt over TCP).
 _SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 GAUGES = {  # name -> (help, label)
     "sglang_disagg_kv_pages": ("KV pages of this server: allocated (including the radix cache's), cached "

@@ -147,24 +147,8 @@ def fresh(request, procs):
     return p
 
 
-SHM_HOL = ("libfabric 1.17 shm consumes write responses in order from the sender's response queue; "
-           "a write to a dead peer stays BUSY at its head forever, so no later non-inject write from that "
-           "endpoint completes. When that peer is lost the backend replaces its endpoint by itself; while the peer "
-           "lives (it deregistered the region) the batch fails at its deadline and the endpoint stays blocked")
-
-
 def _reuse_with_new_peer(survivor: Proc, is_writer: bool, fresh: Pair, procs: list) -> None:
-    """The survivor must work with a brand-new peer after the loss. A libfabric shm writer
-    whose peer died with writes in flight (SHM_HOL) replaces its endpoint first, by itself."""
-    if is_writer and fresh.provider == "shm":
-        end = time.monotonic() + 2.0
-        while (stats := survivor.call("stats"))["poisoned"] and time.monotonic() < end:
-            time.sleep(0.05)
-        assert not stats["poisoned"], stats
-    _reuse_body(survivor, is_writer, fresh, procs)
-
-
-def _reuse_body(survivor: Proc, is_writer: bool, fresh: Pair, procs: list) -> None:
+    """The survivor must work with a brand-new peer after the loss."""
     other = Proc(fresh.backend, fresh.provider)
     procs.append(other)
     if is_writer:
@@ -188,21 +172,18 @@ def _reuse_body(survivor: Proc, is_writer: bool, fresh: Pair, procs: list) -> No
 
 
 def _clean(proc: Proc) -> None:
-    """Nothing of the lost peer remains: no peer, batch, expectation, native transfer.
-
-    Exception, reported by the backend itself: an shm endpoint poisoned by a dead receiver
-    keeps the never-answered batch until close (see SHM_HOL)."""
+    """Nothing of the lost peer remains: no peer, batch, expectation, native transfer."""
     end = time.monotonic() + 1.0
     while True:
         stats = proc.call("stats")
         native = stats.get("native_batches", 0) + stats.get("native_zombies", 0)
         python = stats["peers"] + stats["batches"] + stats["expectations"]
         # the first error may come from the library, the control channel's EOF just after
-        if (python == 0 and (native == 0 or stats.get("poisoned"))) or time.monotonic() > end:
+        if (python == 0 and native == 0) or time.monotonic() > end:
             break
         time.sleep(0.05)
     assert {k: stats[k] for k in ("peers", "batches", "expectations")} == {"peers": 0, "batches": 0, "expectations": 0}, stats
-    assert native == 0 or stats.get("poisoned"), stats
+    assert native == 0, stats
 
 
 def test_receiver_killed_mid_transfer(fresh: Pair, procs: list) -> None:
@@ -309,7 +290,7 @@ def test_deregister_while_writes_in_flight(faulty: FaultPair) -> None:
     time.sleep(0.2)
     got = p.tx.call("writer_stop", rpc_timeout=40)
     assert not got["alive"], got
-    # DeadlineExceeded: libfabric shm never answers a write into a closed region (the
+    # DeadlineExceeded: a write into a closed region that the transport never answers (the
     # receiver's CQ gets the error); the batch deadline turns that into a clean failure.
     assert got["error"] is None or got["error"]["type"] in ("TransferError", "PeerLostError", "DeadlineExceeded"), got
     p.rx.call("ping")
@@ -319,8 +300,6 @@ def test_deregister_while_writes_in_flight(faulty: FaultPair) -> None:
     p.tx.call("ping")
     p.rx.call("ping")
     assert until(lambda: p.tx.call("stats")["batches"] == 0), p.tx.call("stats")
-    if got["error"] and got["error"]["type"] == "DeadlineExceeded" and p.provider == "shm":
-        pytest.xfail(SHM_HOL)  # the unanswered write blocks later ones on this endpoint
     if got["error"] is None or got["error"]["type"] != "PeerLostError":
         try:
             p.write([[0, 0, 65536]], imm=84)
@@ -412,19 +391,10 @@ def test_stalled_peer_isolated_and_batch_deadline(case, procs: list) -> None:
         big = None
     time.sleep(0.2)
     t0 = time.monotonic()
-    if provider == "shm" and tx.call("stats")["native_batches"]:
-        # libfabric 1.17 shm completes writes in order of the sender's response queue (SHM_HOL):
-        # with one to a stopped receiver outstanding, a write to another peer waits behind it.
-        # That costs a deadline, not a crash; a stalled decoder needs its own endpoint on shm.
-        got = tx.call("write", rpc_timeout=15, peer=fast_peer, region=src, remote=fast_remote, imm=102,
-                      writes=[[0, 0, 65536]], wait=None)
-        res = tx.call("failed_at", rpc_timeout=15, future=got["future"], timeout=8.0)
-        assert res["type"] in (None, "DeadlineExceeded"), res
-    else:
-        tx.call("write", rpc_timeout=10, peer=fast_peer, region=src, remote=fast_remote, imm=102,
-                writes=[[0, 0, 65536]], wait=1.5)
-        fast.call("expect", tag=102, count=1, timeout=5.0)
-        assert time.monotonic() - t0 < 1.5, "a write to a healthy peer waited for the stalled one"
+    tx.call("write", rpc_timeout=10, peer=fast_peer, region=src, remote=fast_remote, imm=102,
+            writes=[[0, 0, 65536]], wait=1.5)
+    fast.call("expect", tag=102, count=1, timeout=5.0)
+    assert time.monotonic() - t0 < 1.5, "a write to a healthy peer waited for the stalled one"
     if big is not None:
         got = tx.call("failed_at", rpc_timeout=15, future=big, timeout=8.0)
         assert got["type"] in (None, "DeadlineExceeded"), got

@@ -33,7 +33,7 @@ def _config(**kw) -> BackendConfig:
 
 
 def _make(name: str, **kw):
-    return create_backend(name, _config(provider="shm" if name == "libfabric" else None, **kw))
+    return create_backend(name, _config(provider="tcp" if name == "libfabric" else None, **kw))
 
 
 @pytest.fixture(params=BACKENDS)

@@ -218,13 +218,10 @@ def test_shmem_refuses_cuda_memory_and_says_what_to_use() -> None:
 
 
 # ----- libfabric ----------------------------------------------------------------------------
-@pytest.mark.parametrize("provider,name,why", [("shm", "shm", r"fi_mr_regattr\(FI_HMEM_CUDA, device 0\): "
-                                                r"Function not implemented"),
-                                               ("tcp", "tcp;ofi_rxm", r"fi_getinfo\(FI_HMEM\)")])
+@pytest.mark.parametrize("provider,name,why", [("tcp", "tcp;ofi_rxm", r"fi_getinfo\(FI_HMEM\)")])
 def test_libfabric_refuses_cuda_when_the_registration_fails_and_keeps_serving_host(provider, name, why) -> None:
-    """Real libfabric 1.17 without CUDA: shm lists FI_HMEM but fi_mr_regattr(FI_HMEM_CUDA)
-    fails; tcp;ofi_rxm does not offer FI_HMEM. Either way: UnsupportedMemory naming the
-    provider and libfabric's error, and the host-only endpoint serves on unchanged."""
+    """Real libfabric 1.17 without CUDA: tcp;ofi_rxm does not offer FI_HMEM. UnsupportedMemory
+    naming the provider and libfabric's error, and the host-only endpoint serves on unchanged."""
     cfg = BackendConfig(provider=provider)
     be = create_backend("libfabric", cfg)
     buf, addr = _buffer()
@@ -240,27 +237,15 @@ def test_libfabric_refuses_cuda_when_the_registration_fails_and_keeps_serving_ho
         be.close()
 
 
-def test_libfabric_shm_opened_with_fi_hmem_moves_host_memory_and_refuses_cuda() -> None:
-    """options hmem=True: the endpoint is opened with FI_HMEM + FI_MR_HMEM (what a CUDA
-    deployment runs on), host memory registers as FI_HMEM_SYSTEM and moves byte-exact."""
-    cfg = BackendConfig(provider="shm", options={"hmem": True})
-    with create_backend("libfabric", cfg) as rx, create_backend("libfabric", cfg) as tx:
-        assert rx.fi_info["hmem"] == 1 and rx.fi_info["mr_mode"] & (1 << 10)  # FI_MR_HMEM
-        buf, addr = _buffer()
-        with pytest.raises(UnsupportedMemory, match=r"shm cannot register cuda:2 memory: fi_mr_regattr\(FI_HMEM_CUDA"):
-            rx.register(addr, len(buf), cuda(2))
-        _round_trip(rx, tx)
-
-
 def test_libfabric_hmem_option_is_checked_and_tcp_refuses_it_at_open() -> None:
     with pytest.raises(BackendUnavailable, match=r"tcp;ofi_rxm unusable with FI_HMEM: fi_getinfo\(FI_HMEM\)"):
         create_backend("libfabric", BackendConfig(provider="tcp", options={"hmem": True}))
     with pytest.raises(TransferError, match="hmem must be a bool"):
-        create_backend("libfabric", BackendConfig(provider="shm", options={"hmem": "yes"}))
+        create_backend("libfabric", BackendConfig(provider="tcp", options={"hmem": "yes"}))
 
 
 def test_libfabric_first_device_registration_must_come_before_other_regions() -> None:
-    with create_backend("libfabric", BackendConfig(provider="shm")) as be:
+    with create_backend("libfabric", BackendConfig(provider="tcp")) as be:
         buf, addr = _buffer()
         be.register(addr, 4096)
         with pytest.raises(UnsupportedMemory, match="before any other region or peer"):
@@ -317,6 +302,6 @@ def test_kv_pool_registers_with_the_memory_of_its_tensors() -> None:
     KVPoolView(geometry, (on_gpu,), "bfloat16").register(be)
     assert be.calls == [(0x7000, 128, cuda(2))]
     # with a real backend too: the view's host tensors register as host memory
-    with create_backend("libfabric", BackendConfig(provider="shm")) as real:
+    with create_backend("libfabric", BackendConfig(provider="tcp")) as real:
         regions, _ = KVPoolView(geometry, (cpu, cpu.clone()), "float32").register(real)
         assert [r.memory for r in regions] == [HOST, HOST]

@@ -72,6 +72,27 @@ def test_entry_point_plugin_and_cli_listing(tmp_path: Path) -> None:
     assert {"fake", "libfabric", "nixl", "mooncake"} <= set(lines), out
     assert "unavailable" in lines["fake"] and "carrier pigeon" in lines["fake"]
     assert "usable" in lines["libfabric"] or "unavailable" in lines["libfabric"]
+    if backends.available("libfabric")[0]:  # the listing says why libfabric's shm is not offered
+        assert "not offered: shm (a thread spinning in fi_cq_read/fi_writedata" in lines["libfabric"], out
+        assert "use the shmem backend on one host" in lines["libfabric"], out
+
+
+def test_libfabric_provider_shm_is_refused_saying_why() -> None:
+    """libfabric's shm provider is not offered: the backend refuses it, before opening an endpoint,
+    with the reason and what to use instead; the reason is also what availability() reports."""
+    from sglang_disagg.backends import BackendConfig, create_backend
+    from sglang_disagg.backends.libfabric import SHM_REFUSED, SHM_WHY
+
+    with pytest.raises(TransferError) as e:
+        create_backend("libfabric", BackendConfig(provider="shm"))
+    assert str(e.value) == SHM_REFUSED
+    assert str(e.value).startswith("libfabric provider 'shm' is not offered: a thread spinning in "
+                                   "fi_cq_read/fi_writedata on a dead peer's spinlock inside libfabric 1.17's shm "
+                                   "region cannot be bounded from outside using libfabric's public API")
+    assert "use the shmem backend on one host, libfabric provider tcp across hosts" in str(e.value)
+    ok, why = backends.available("libfabric")
+    if ok:
+        assert f"not offered: shm ({SHM_WHY})" in why and "providers: tcp" in why, why
 
 
 def test_tracker_fires_once_and_credits_early_arrivals() -> None:
@@ -138,13 +159,13 @@ def test_mooncake_split_respects_limits() -> None:
 @pytest.mark.skipif(not backends.available("libfabric")[0], reason="libfabric shim not built")
 def test_handshake_refuses_mismatched_peers_and_dead_addresses() -> None:
     from sglang_disagg.backends import BackendConfig, TransferError, create_backend
-    shm = create_backend("libfabric", BackendConfig(provider="shm"))
+    other = create_backend("shmem", BackendConfig())
     tcp = create_backend("libfabric", BackendConfig(provider="tcp"))
     try:
         with pytest.raises(TransferError, match="refused.*libfabric/tcp"):
-            tcp.connect(shm.address, timeout_s=5)
-        port = shm.address.rsplit(":", 1)[1]
-        shm.close()
+            tcp.connect(other.address, timeout_s=5)
+        port = other.address.rsplit(":", 1)[1]
+        other.close()
         t0 = time.monotonic()
         with pytest.raises(PeerLostError, match="cannot reach"):
             tcp.connect(f"127.0.0.1:{port}", timeout_s=5)
@@ -152,6 +173,6 @@ def test_handshake_refuses_mismatched_peers_and_dead_addresses() -> None:
         with pytest.raises(TransferError, match="host:port"):
             tcp.connect("nonsense", timeout_s=1)
     finally:
-        shm.close()
+        other.close()
         tcp.close()
     assert tcp.stats()["peers"] == 0

@@ -136,7 +136,7 @@ def stacks(tmp_path_factory):
     pool.close()
 
 
-DEFAULT = StackSpec(backend="libfabric", provider="shm")  # what `--role all` starts
+DEFAULT = StackSpec(backend="shmem")  # what `--role all` starts (on CPU)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Token-exact equivalence: router -> decode (-> prefill through the messenger) gives
-exactly the greedy tokens of one colocated server, on every transfer backend (libfabric
-shm/tcp, NIXL, Mooncake, shmem), with prefill TP 2 -> decode TP 1 and 1 -> 2, on three
+exactly the greedy tokens of one colocated server, on every transfer backend (shmem,
+libfabric tcp, NIXL, Mooncake), with prefill TP 2 -> decode TP 1 and 1 -> 2, on three
 architectures (Llama, Qwen3, Qwen2), streaming each layer's KV as the prefill forward
 passes it (the default) over several prefill chunks; and SGLang's own PD path (upstream
 mode, the comparison baseline) does too."""
@@ -19,13 +19,13 @@ CONFIGS = [
     pytest.param(StackSpec(backend="libfabric", provider="tcp"), id="messenger-libfabric-tcp"),
     pytest.param(StackSpec(backend="nixl"), id="messenger-nixl"),
     pytest.param(StackSpec(backend="mooncake"), id="messenger-mooncake"),
-    pytest.param(StackSpec(backend="libfabric", provider="shm", prefill_tp=2), id="messenger-shm-tp2-tp1"),
-    pytest.param(StackSpec(backend="libfabric", provider="shm", decode_tp=2), id="messenger-shm-tp1-tp2"),
+    pytest.param(StackSpec(backend="shmem", prefill_tp=2), id="messenger-shmem-tp2-tp1"),
+    pytest.param(StackSpec(backend="libfabric", provider="tcp", decode_tp=2), id="messenger-libfabric-tcp-tp1-tp2"),
     pytest.param(StackSpec(backend="nixl", model="tiny-qwen3"), id="messenger-nixl-qwen3"),
     pytest.param(StackSpec(backend="shmem", model="tiny-qwen2"), id="messenger-shmem-qwen2"),
     pytest.param(StackSpec(mode=Mode.UPSTREAM, backend="mooncake"), id="upstream-mooncake"),
     # Last, so that test_messenger.py reuses this stack (the launcher's default).
-    pytest.param(StackSpec(backend="libfabric", provider="shm"), id="messenger-libfabric-shm"),
+    pytest.param(StackSpec(backend="shmem"), id="messenger-shmem"),
 ]
 
 

@@ -1,5 +1,5 @@
 """The fault matrix on real processes and sockets: two prefill servers and one decoder started
-by the launcher (libfabric shm, tiny-llama, float32, a 1.5 s transfer deadline), faults
+by the launcher (libfabric tcp, tiny-llama, float32, a 1.5 s transfer deadline), faults
 injected from outside with SIGKILL / SIGSTOP and `ss -K` (kills a TCP connection).
 
 Every case checks, within FAULT_DEADLINE_S: the client's answer (an error naming the fault,
@@ -51,7 +51,7 @@ class FaultStack:
     def _cfg(self, root, role: Role, extra_env: tuple[tuple[str, str], ...] = (), **kw) -> LaunchConfig:
         port = next(_ports)
         # One OpenMP thread each: three servers share two cores.
-        return LaunchConfig(role=role, model="tiny-llama", port=port, backend="libfabric", provider="shm",
+        return LaunchConfig(role=role, model="tiny-llama", port=port, backend="libfabric", provider="tcp",
                             max_total_tokens=8192, extra_args=COMMON_ARGS, transfer_timeout_s=TRANSFER_TIMEOUT_S,
                             env=(("OMP_NUM_THREADS", "1"),) + extra_env, log_dir=str(root / f"{role.value}-{port}"),
                             secret_file=str(self.secret_file), **kw)
@@ -246,19 +246,19 @@ def test_a_killed_decoder_is_forgotten_by_its_prefill_server(fs, references):
     row("2 decoder killed (SIGKILL)", tte, leak_p, ok, f"prefill freed its pages and orders in {t_free:.3f}s")
 
 
-@pytest.mark.parametrize("case", ["provider", "kv-layout"])
+@pytest.mark.parametrize("case", ["backend", "kv-layout"])
 def test_first_contact_refuses_a_decoder_that_disagrees(fs, case):
     """Case 6 against a live prefill server (the model mismatch, through the launcher, is in
-    test_messenger.py): another transport provider is refused by the backends' handshake, a
+    test_messenger.py): another transport backend is refused by the backends' handshake, a
     different KV page size by the messenger's; either reason reaches the decoder's link."""
-    provider = "tcp" if case == "provider" else "shm"
+    name, provider = ("shmem", None) if case == "backend" else ("libfabric", "tcp")
     secret = auth.load_secret({auth.SECRET_FILE_ENV: str(fs.secret_file)})
-    backend = create_backend("libfabric", BackendConfig(provider=provider, host="127.0.0.1", port=0, secret=secret))
+    backend = create_backend(name, BackendConfig(provider=provider, host="127.0.0.1", port=0, secret=secret))
     kv = wire.KVSpec(model="tiny-llama", fingerprint="0", num_layers=4, kv_heads=2, head_dim=64, v_head_dim=64,
                      page_size=32, dtype="torch.float32", layout="hnd", tp=1)
-    hello = wire.Hello(decoder="test", backend="libfabric", provider=provider, kv=kv, ranks=())
+    hello = wire.Hello(decoder="test", backend=name, provider=backend.provider, kv=kv, ranks=())
     link, tte = first_contact(backend, hello, fs.addr(fs.p2))
     assert REFUSED_MARK in link.reason
-    assert ("libfabric/tcp" in link.reason and "libfabric/shm" in link.reason) if case == "provider" else \
+    assert ("libfabric/tcp" in link.reason and "shmem/" in link.reason) if case == "backend" else \
         "page_size differs (decoder: 32, prefill: 16)" in link.reason, link.reason
     row(f"6 first contact, different {case}", tte, 0, True, link.reason[:120])

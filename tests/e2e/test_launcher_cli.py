@@ -36,7 +36,7 @@ def test_role_all_smoke_runs_through_the_messenger_by_default(tmp_path):
     assert lines[asked + 1].strip() == "The capital of France is Paris.", lines[asked:asked + 2]
     # The launcher says which mode and backend carried the request, from the decoder's counters.
     carried = next(line for line in r.stdout.splitlines() if "carried by:" in line)
-    assert "mode messenger, backend libfabric/shm" in carried
+    assert "mode messenger, backend shmem:" in carried  # every server on this host: shmem
     assert "0 request(s)" not in carried and "KV writes received" in carried
     # The router talks to the decoder only; the prefill server got work from its messenger.
     decode_log = (tmp_path / "decode.log").read_text(errors="replace")
@@ -71,6 +71,18 @@ def test_missing_model_path_is_a_clear_error(tmp_path):
     r = _launch("--role", "colocated", "--model-path", str(tmp_path / "nope"), timeout=60)
     assert r.returncode == 2
     assert "is not a directory" in r.stderr and "tiny-llama" in r.stderr
+
+
+def test_provider_shm_is_refused_saying_why(tmp_path):
+    """libfabric's shm provider is not offered: the launcher stops before starting anything,
+    with the reason and what to use instead."""
+    r = _launch("--role", "all", "--provider", "shm", "--port", str(next(_ports)), "--log-dir", str(tmp_path),
+                timeout=60)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "--provider shm: libfabric provider 'shm' is not offered" in r.stderr, r.stderr
+    assert "cannot be bounded from outside using libfabric's public API" in r.stderr, r.stderr
+    assert "use the shmem backend on one host, libfabric provider tcp across hosts" in r.stderr, r.stderr
+    assert not list(tmp_path.glob("*.log"))  # no server was started
 
 
 def test_sigterm_lets_the_request_in_flight_finish_then_stops_everything(tmp_path):

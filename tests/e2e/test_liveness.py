@@ -1,4 +1,4 @@
-"""On the launcher's default stack (router -> decoder -> prefill server, libfabric shm):
+"""On the launcher's default stack (router -> decoder -> prefill server, shmem):
 
 - liveness apart from load: long prompts keep the prefill server busy while short requests
   flow through the router; none fails, each is token-exact, and the servers' /health

@@ -1,4 +1,4 @@
-"""The messenger mode's own promises, on the launcher's default stack (libfabric shm):
+"""The messenger mode's own promises, on the launcher's default stack (shmem):
 structured output is built on the decoder only, a request costs exactly the planner's
 writes, a 1-token prompt never leaves the decoder, a prefill server serves decoders only,
 and first contact refuses a decoder that runs another model."""

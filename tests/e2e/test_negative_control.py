@@ -43,7 +43,7 @@ PARTIAL = {
 def test_decode_missing_part_of_the_kv_differs(tmp_path, references):
     prompts, expected = references("tiny-llama")
     carried = [i for i, p in enumerate(prompts) if len(p) >= 2]
-    spec = StackSpec(backend="libfabric", provider="shm", env=((FAULT_ENV, "|".join(PARTIAL.values())),))
+    spec = StackSpec(backend="shmem", env=((FAULT_ENV, "|".join(PARTIAL.values())),))
     stack = start_stack(tmp_path, spec)
     try:
         time.sleep(1)  # the readiness probe's counters are published

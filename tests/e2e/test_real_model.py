@@ -1,5 +1,5 @@
 """Token-exact on a real model: smollm2-135m (30 layers, 9 / 3 heads), greedy, float32,
-messenger mode on libfabric shm and on shmem against one colocated server. Prompts: the
+messenger mode on libfabric tcp and on shmem against one colocated server. Prompts: the
 model's chat template around short and long questions (one longer than the prefill
 chunk), a 1-token prompt (it never leaves the decoder) and a two-token one; then a chat
 completion through the router answers a factual question in English."""
@@ -48,8 +48,8 @@ def reference(tmp_path_factory, stacks):
         colocated.stop()
 
 
-@pytest.mark.parametrize("spec", [StackSpec(model=MODEL, backend="libfabric", provider="shm"),
-                                  StackSpec(model=MODEL, backend="shmem")], ids=["libfabric-shm", "shmem"])
+@pytest.mark.parametrize("spec", [StackSpec(model=MODEL, backend="libfabric", provider="tcp"),
+                                  StackSpec(model=MODEL, backend="shmem")], ids=["libfabric-tcp", "shmem"])
 def test_a_real_model_gives_the_colocated_tokens(stacks, reference, spec):
     ps, expected = reference
     stack = stacks.get(spec)

@@ -129,8 +129,8 @@ def _carried(prompts) -> list[int]:
 
 # The second backend also moves KV sharded: a TP 2 prefill server's two ranks each write half
 # the heads of every target and draft page into the TP 1 decoder's.
-@pytest.mark.parametrize("backend,provider,prefill_tp", [("libfabric", "shm", 1), ("shmem", None, 2)],
-                         ids=["libfabric-shm", "shmem-tp2-tp1"])
+@pytest.mark.parametrize("backend,provider,prefill_tp", [("libfabric", "tcp", 1), ("shmem", None, 2)],
+                         ids=["libfabric-tcp", "shmem-tp2-tp1"])
 def test_speculative_messenger_matches_colocated_speculation(spec_reference, references, backend, provider,
                                                              prefill_tp):
     draft, prompts, expected, dumps, root = spec_reference
@@ -199,10 +199,10 @@ def test_speculative_messenger_matches_colocated_speculation(spec_reference, ref
 def _refused_without_draft(stack: Stack, draft: Draft) -> None:
     """A decoder without the draft, against the live prefill server: refused, naming it."""
     secret = auth.load_secret({auth.SECRET_FILE_ENV: stack.cfg.secret_file})
-    backend = create_backend("libfabric", BackendConfig(provider="shm", host="127.0.0.1", port=0, secret=secret))
+    backend = create_backend("libfabric", BackendConfig(provider="tcp", host="127.0.0.1", port=0, secret=secret))
     kv = wire.KVSpec(model=draft.target, fingerprint="0", num_layers=draft.layers, kv_heads=2, head_dim=64,
                      v_head_dim=64, page_size=PAGE, dtype="float32", layout="hnd", tp=1)
-    hello = wire.Hello(decoder="test", backend="libfabric", provider="shm", kv=kv, ranks=())
+    hello = wire.Hello(decoder="test", backend="libfabric", provider="tcp", kv=kv, ranks=())
     link, _ = first_contact(backend, hello, f"127.0.0.1:{stack.cfg.ports.bootstrap}")
     assert REFUSED_MARK in link.reason
     assert f"speculative draft differs (decoder: none, prefill: {draft.algorithm}:" in link.reason, link.reason
@@ -218,7 +218,7 @@ def test_zeroed_draft_kv_first_contact_and_a_fault(spec_reference):
     both sides, and the next request is served."""
     draft, prompts, expected, _, root = spec_reference
     env = ((FAULT_ENV, f"zero_kv:layers=last:{draft.draft_layers}"),)
-    stack = _start(root, draft, Role.ALL, env=env, backend="libfabric", provider="shm")
+    stack = _start(root, draft, Role.ALL, env=env, backend="libfabric", provider="tcp")
     try:
         got = _run(stack.url, prompts)
         assert [t for t, _ in got] == [t for t, _ in expected]

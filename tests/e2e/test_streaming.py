@@ -49,7 +49,7 @@ def test_the_first_layer_is_written_before_the_last_layer_of_its_forward_ends(st
 
 def test_writes_posted_before_the_kv_exists_give_different_tokens(tmp_path, references):
     prompts, expected = references("tiny-llama")
-    spec = StackSpec(backend="libfabric", provider="shm", env=((FAULT_ENV, "early_writes"),))
+    spec = StackSpec(backend="shmem", env=((FAULT_ENV, "early_writes"),))
     early = start_stack(tmp_path, spec)
     try:
         got = run_sequential(early.url, prompts)

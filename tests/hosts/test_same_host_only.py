@@ -70,20 +70,6 @@ def test_shmem_is_refused_at_first_contact_by_a_peer_on_another_host(two_hosts, 
     assert other["seconds"] < 2.0, other
 
 
-def test_libfabric_shm_is_refused_at_first_contact_by_a_peer_on_another_host(two_hosts, tmp_path):
-    addr, listener = _listen(two_hosts, "a", "libfabric", "shm", tmp_path)
-    try:
-        same = _dial(two_hosts, "a", "libfabric", "shm", addr, tmp_path)
-        assert same.get("write") == "completed", f"control (same host) did not work: {same}"
-        other = _dial(two_hosts, "b", "libfabric", "shm", addr, tmp_path)
-    finally:
-        listener.kill()
-    print("libfabric shm: same host", same, "across hosts:", other)
-    assert "refused" in other, f"libfabric shm connected across hosts: {other}"
-    assert NOT_HERE in other["refused"], other
-    assert other["seconds"] < 2.0, other
-
-
 @pytest.mark.e2e
 def test_a_shmem_deployment_across_hosts_stops_the_decoder_at_first_contact(network, tmp_path):
     """As an operator would meet it: the deployment file says shmem, the groups are on two

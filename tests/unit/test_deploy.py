@@ -36,9 +36,9 @@ def test_the_launcher_runs_what_the_file_says_and_flags_override_it(node):
     assert cfg == dep.launch_config(node)
     if node.startswith("decode"):
         assert cfg.prefill_messengers == ("10.0.0.1:30003",)
-    over, _ = parse(["--config", str(EXAMPLE), "--node", node, "--provider", "shm", "--port", "31000",
+    over, _ = parse(["--config", str(EXAMPLE), "--node", node, "--provider", "verbs", "--port", "31000",
                      "--chunked-prefill-size", "64"])
-    assert (over.provider, over.port, over.host, over.role) == ("shm", 31000, cfg.host, cfg.role)
+    assert (over.provider, over.port, over.host, over.role) == ("verbs", 31000, cfg.host, cfg.role)
     assert over.extra_args[-2:] == ("--chunked-prefill-size", "64")
 
 

@@ -42,7 +42,7 @@ def test_upstream_all_role_ports_and_flags():
 
 def test_messenger_is_the_default_mode():
     cfg, _ = parse(["--role", "all", "--port", "40000", "--chunked-prefill-size", "64"])
-    assert cfg.mode is Mode.MESSENGER and cfg.transfer_backend == "libfabric" and cfg.transfer_provider == "shm"
+    assert cfg.mode is Mode.MESSENGER and cfg.transfer_backend == "shmem" and cfg.transfer_provider is None
     prefill = server_spec(cfg, Role.PREFILL, "/m", builtin=True)
     decode = server_spec(cfg, Role.DECODE, "/m", builtin=True)
     for spec, role in ((prefill, "prefill"), (decode, "decode")):
@@ -51,7 +51,7 @@ def test_messenger_is_the_default_mode():
         assert _flag(spec.argv, "--page-size") == "16" and "--disable-overlap-schedule" in spec.argv
         assert "--disaggregation-mode" not in spec.argv  # SGLang's own PD path is not used
         mc = MessengerConfig.from_json(env[MESSENGER_ENV])
-        assert mc.role.value == role and mc.backend == "libfabric" and mc.provider == "shm"
+        assert mc.role.value == role and mc.backend == "shmem" and mc.provider is None
     assert MessengerConfig.from_json(dict(prefill.env)[MESSENGER_ENV]).port == 40003
     assert MessengerConfig.from_json(dict(decode.env)[MESSENGER_ENV]).prefill == ("127.0.0.1:40003",)
     router = router_spec(cfg)
@@ -76,7 +76,35 @@ def test_messenger_backends_come_from_the_registry():
     with pytest.raises(ValueError, match="--provider is a libfabric setting"):
         LaunchConfig(role=Role.ALL, model="tiny-llama", backend="nixl", provider="tcp")
     cross = LaunchConfig(role=Role.DECODE, model="tiny-llama", prefill_messengers=("10.0.0.1:30003",))
-    assert cross.transfer_provider == "tcp"  # shm cannot cross machines
+    assert (cross.transfer_backend, cross.transfer_provider) == ("libfabric", "tcp")  # across machines
+
+
+def test_the_default_backend_is_shmem_on_one_host_and_libfabric_tcp_across_hosts_and_on_cuda():
+    one_host = LaunchConfig(role=Role.ALL, model="tiny-llama")
+    assert (one_host.transfer_backend, one_host.transfer_provider) == ("shmem", None)
+    assert one_host.describe_transfer() == "mode messenger, backend shmem"  # --smoke's "carried by"
+    for role, kw in ((Role.PREFILL, {}), (Role.DECODE, {"prefill_messengers": ("10.0.0.1:30003",)})):
+        cfg = LaunchConfig(role=role, model="tiny-llama", **kw)
+        assert (cfg.transfer_backend, cfg.transfer_provider) == ("libfabric", "tcp"), role
+    # --provider alone means libfabric, on one host too
+    tcp = LaunchConfig(role=Role.ALL, model="tiny-llama", provider="tcp")
+    assert (tcp.transfer_backend, tcp.transfer_provider) == ("libfabric", "tcp")
+    # on CUDA the default stays libfabric (until the device check has run on a GPU); its shm is gone: tcp
+    cuda = LaunchConfig(role=Role.ALL, model="tiny-llama", device="cuda", gpus=2)
+    assert (cuda.transfer_backend, cuda.transfer_provider) == ("libfabric", "tcp")
+
+
+@pytest.mark.parametrize("argv", [["--role", "all", "--provider", "shm"],
+                                  ["--role", "all", "--backend", "libfabric", "--provider", "shm"],
+                                  ["--role", "prefill", "--provider", "shm"]])
+def test_provider_shm_is_refused_saying_why(argv):
+    from sglang_disagg.backends.libfabric import SHM_REFUSED
+
+    with pytest.raises(ValueError) as e:
+        parse(argv)
+    assert str(e.value) == f"--provider shm: {SHM_REFUSED}"
+    assert "cannot be bounded from outside using libfabric's public API" in str(e.value)
+    assert "use the shmem backend on one host, libfabric provider tcp across hosts" in str(e.value)
 
 
 def test_each_server_gets_threads_for_its_cores(monkeypatch):

@@ -14,7 +14,7 @@ from sglang_disagg.messenger.inputs import DecoderJoined, OrderTicket, Route
 
 KV = wire.KVSpec(model="tiny-llama", fingerprint="abc", num_layers=4, kv_heads=2, head_dim=64, v_head_dim=64,
                  page_size=16, dtype="float32", layout="hnd", tp=1)
-HELLO = wire.Hello(decoder="decode", backend="libfabric", provider="shm", kv=KV,
+HELLO = wire.Hello(decoder="decode", backend="libfabric", provider="tcp", kv=KV,
                    ranks=(wire.RankEndpoint(0, "127.0.0.1:4000", "i0", ('{"d":1}', '{"d":2}')),))
 ORDER = wire.PrefillOrder(rid="r1", tag=7, token_ids=(1, 2, 3), dst_pages=(9,), start_page=0)
 
@@ -104,7 +104,7 @@ def test_fingerprint_follows_config_and_weights(tmp_path):
 
 
 def test_config_round_trip_and_validation(monkeypatch):
-    cfg = MessengerConfig(role=MessengerRole.DECODE, backend="libfabric", provider="shm", prefill=("127.0.0.1:5",))
+    cfg = MessengerConfig(role=MessengerRole.DECODE, backend="libfabric", provider="tcp", prefill=("127.0.0.1:5",))
     monkeypatch.setenv(ENV, cfg.to_env())
     assert MessengerConfig.from_env() == cfg
     monkeypatch.delenv(ENV)

@@ -33,7 +33,6 @@ ffibuilder.cdef(_cdef())
 ffibuilder.set_source(
     "sglang_disagg.backends.libfabric._shim",
     _read("shim.c"),
-    sources=[os.path.relpath(os.path.join(_HERE, "shmwatch.c"))],  # setuptools refuses absolute paths
     include_dirs=[_HERE],
     libraries=["fabric"],
     extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wno-unused-function"],

@@ -1,27 +1,25 @@
 """libfabric backend: RDM endpoint, fi_writedata with the tag as remote CQ data.
 
-The provider comes from BackendConfig.provider: "shm" and "tcp" (tcp;ofi_rxm) here,
-"efa" / "verbs" (verbs;ofi_rxm) in production, all on this code path. Memory-registration
-modes are handled in the shim: FI_MR_VIRT_ADDR (descriptor base = virtual address, else
-offsets), FI_MR_PROV_KEY (provider-chosen keys travel in the descriptor), FI_MR_LOCAL
-(local descriptors passed on every write), FI_MR_ENDPOINT, FI_RX_CQ_DATA (posted receives).
+The provider comes from BackendConfig.provider: "tcp" (tcp;ofi_rxm, the default) here,
+"efa" / "verbs" (verbs;ofi_rxm) in production, all on this code path. libfabric's "shm" is
+refused (SHM_REFUSED in __init__.py says why): on one host the shmem backend moves the pages.
+Memory-registration modes are handled in the shim: FI_MR_VIRT_ADDR (descriptor base = virtual
+address, else offsets), FI_MR_PROV_KEY (provider-chosen keys travel in the descriptor),
+FI_MR_LOCAL (local descriptors passed on every write), FI_MR_ENDPOINT, FI_RX_CQ_DATA (posted
+receives).
 
 Memory kinds: host memory registers with fi_mr_regattr(FI_HMEM_SYSTEM); CUDA memory with
 FI_HMEM_CUDA and its device, on an endpoint opened with FI_HMEM (+FI_MR_HMEM). A provider
 "offers" CUDA when such a registration succeeds, not when fi_info lists FI_HMEM (Debian's
-1.17 lists it for shm without CUDA support); otherwise register() raises UnsupportedMemory
+1.17 lists it without CUDA support); otherwise register() raises UnsupportedMemory
 naming the provider and libfabric's error, i.e. the messenger refuses at start-up. Host-only
-endpoints keep FI_HMEM off (shm answers it with other attributes: no inject); the first CUDA
+endpoints keep FI_HMEM off (a provider may answer it with other attributes); the first CUDA
 registration, before any other region or peer, reopens with it (options hmem=True: from the start).
 
-Stuck endpoints: a thread that never comes back out of the provider (libfabric shm spins forever
-on a spinlock in shared memory whose holder died) would hold the endpoint for good. No shim call
-but the poller's waits for it longer than SHIM_STUCK_MS: then EndpointStuck, and the backend is
-poisoned and replaces the endpoint, as for a head-of-line-blocked one; an endpoint that cannot be
-closed is abandoned (leaked, logged). On shm the shim also watches the locks themselves
-(shmlocks.py; options shm_lock_guard=False turns that off) and each peer's process, and
-releases a lock that a peer died holding (shmwatch.c: the peer's, or ours while a peer has just
-died; shm_lock_look=False, for tests, skips the looks so that a thread waits inside).
+Stuck endpoints: a thread that never comes back out of the provider would hold the endpoint for
+good. No shim call but the poller's waits for it longer than SHIM_STUCK_MS: then EndpointStuck,
+and the backend is poisoned and replaces the endpoint (healing.py); an endpoint that cannot be
+closed is abandoned (leaked, logged).
 """
 
 from __future__ import annotations
@@ -35,24 +33,22 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from .. import reach
 from ..base import TransferBackend
 from ..errors import BackendUnavailable, DescriptorError, PeerLostError, TransferError, UnsupportedMemory
 from ..peers import Peer
 from ..regions import Memory, MemoryKind, MemoryRegion, NativeRegistration, PageWrite, PeerState, RemoteRegion
-from . import shmlocks
+from . import SHM_REFUSED, SHM_WHY
 from .healing import Healing
 from .native import ESTUCK, EndpointStuck, address_of, endpoint_info, ffi, lib, register_on, stuck_text
 from .native import Errbuf as _Errbuf
 from .native import check as _check
 from .native import need_shim as _need_shim
-from .native import sweep_dead_namesakes as _sweep_dead_namesakes
 
-PROVIDERS = {"shm": "shm", "tcp": "tcp;ofi_rxm", "net": "net", "efa": "efa", "verbs": "verbs;ofi_rxm",
+PROVIDERS = {"tcp": "tcp;ofi_rxm", "net": "net", "efa": "efa", "verbs": "verbs;ofi_rxm",
              "sockets": "sockets"}
 _EVENTS = 256
 _POLL_US = 2000
-_EV_BATCH, _EV_IMM, _EV_ASYNC, _EV_TAG_FAILED, _EV_STUCK = 1, 2, 3, 4, 5
+_EV_BATCH, _EV_IMM, _EV_ASYNC, _EV_TAG_FAILED = 1, 2, 3, 4
 log = logging.getLogger(__name__)
 
 
@@ -67,25 +63,25 @@ class LibfabricBackend(Healing, TransferBackend):
             except BackendUnavailable as e:
                 return False, str(e)
         found, missing = [], []
-        for label in ("shm", "tcp", "efa", "verbs"):
+        for label in ("tcp", "efa", "verbs"):
             ep = ffi.new("shim_ep **")
             err = _Errbuf()
-            if lib.shim_open(PROVIDERS[label].encode(), cls._node(label, "127.0.0.1") or ffi.NULL, 0, ep, err.buf, 256):
+            # a node: the TCP providers otherwise bind to eth0 (FI_SOURCE)
+            if lib.shim_open(PROVIDERS[label].encode(), b"127.0.0.1", 0, ep, err.buf, 256):
                 missing.append(f"{label} ({err})")
             else:
                 found.append(label)
                 lib.shim_free(ep[0])
+        not_offered = f"; not offered: shm ({SHM_WHY})"
         if not found:
-            return False, "no provider: " + "; ".join(missing)
-        return True, "providers: " + ", ".join(found) + ("; absent: " + ", ".join(m.split(" ")[0] for m in missing) if missing else "")
-
-    @staticmethod
-    def _node(label: str, host: str) -> bytes | None:
-        # shm names endpoints itself; the TCP providers otherwise bind to eth0 (FI_SOURCE).
-        return None if label == "shm" else host.encode()
+            return False, "no provider: " + "; ".join(missing) + not_offered
+        return True, ("providers: " + ", ".join(found) + ("; absent: " + ", ".join(m.split(" ")[0] for m in missing)
+                                                          if missing else "") + not_offered)
 
     def _provider_label(self) -> str:
-        label = self.config.provider or "shm"
+        label = self.config.provider or "tcp"
+        if label == "shm":
+            raise TransferError(SHM_REFUSED)
         if label not in PROVIDERS:
             raise TransferError(f"libfabric provider {label!r} unknown; choose from {', '.join(PROVIDERS)}")
         return label
@@ -94,17 +90,11 @@ class LibfabricBackend(Healing, TransferBackend):
         _need_shim()
         # hmem=True: open with FI_HMEM from the start; otherwise the first device-memory
         # registration reopens the endpoint with it (host-only endpoints keep today's attributes).
-        self._hmem, self._guard, self._look = (self.config.options.get(k, d) for k, d in (
-            ("hmem", False), ("shm_lock_guard", True), ("shm_lock_look", True)))
-        for k, v in (("hmem", self._hmem), ("shm_lock_guard", self._guard), ("shm_lock_look", self._look)):
-            if not isinstance(v, bool):
-                raise TransferError(f"libfabric option {k} must be a bool, got {v!r}")
+        self._hmem = self.config.options.get("hmem", False)
+        if not isinstance(self._hmem, bool):
+            raise TransferError(f"libfabric option hmem must be a bool, got {self._hmem!r}")
         self._fins: dict[int, weakref.finalize] = {}
-        self._lock_off = -1  # where shm regions keep their spinlock (shmlocks.py), -1: not watched
         self._init_healing()
-        # shm writes straight into the peer's memory: a peer whose memory we cannot map is on
-        # another host, whatever its address says (reach.py); refused at first contact.
-        self._probe = reach.Probe() if self.provider == "shm" else None
         self._ep = self._open_endpoint()
         self._shim_closed = False
         self._ep_lock = threading.RLock()  # registration vs. replacing the endpoint
@@ -121,12 +111,10 @@ class LibfabricBackend(Healing, TransferBackend):
         self.max_write_bytes = min(type(self).max_write_bytes, self.fi_info["max_msg_size"])
 
     def _open_endpoint(self, hmem: bool | None = None) -> Any:
-        if self.provider == "shm":
-            _sweep_dead_namesakes()
         ep, err = ffi.new("shim_ep **"), _Errbuf()
-        node = self._node(self.provider, self.config.host)
         hmem = self._hmem if hmem is None else hmem
-        if lib.shim_open(PROVIDERS[self.provider].encode(), node or ffi.NULL, int(hmem), ep, err.buf, 256):
+        node = self.config.host.encode()  # the TCP providers otherwise bind to eth0 (FI_SOURCE)
+        if lib.shim_open(PROVIDERS[self.provider].encode(), node, int(hmem), ep, err.buf, 256):
             raise BackendUnavailable(f"libfabric provider {PROVIDERS[self.provider]} unusable"
                                      f"{' with FI_HMEM' if hmem else ''}: {err}")
         # The struct outlives shim_close (a thread still calling in gets -FI_ESHUTDOWN, not
@@ -135,8 +123,6 @@ class LibfabricBackend(Healing, TransferBackend):
         fin = weakref.finalize(self, lib.shim_free, ep[0])
         fin.atexit = False  # at exit daemon threads may still call in: leak instead
         self._fins[self._key(ep[0])] = fin
-        if self.provider == "shm" and self._guard:
-            self._lock_off = shmlocks.guard_self(ep[0], address_of(ep[0]), self._look)
         return ep[0]
 
     def _start_poller(self) -> None:
@@ -146,16 +132,13 @@ class LibfabricBackend(Healing, TransferBackend):
         self._poller.start()
 
     def _endpoint_info(self) -> dict[str, Any]:
-        info = {"fi_addr": base64.b64encode(address_of(self._ep)).decode()}
-        return info | ({"probe": self._probe.info} if self._probe is not None else {})
+        return {"fi_addr": base64.b64encode(address_of(self._ep)).decode()}
 
     def _native_connect(self, peer: Peer) -> None:
         try:
             raw = base64.b64decode(peer.endpoint["fi_addr"], validate=True)
         except (KeyError, ValueError) as e:
             raise TransferError(f"peer hello has no valid libfabric address: {e}") from e
-        if self._probe is not None:
-            reach.check("libfabric shm", peer.address, peer.endpoint.get("probe"))
         # The shim checks the address against our provider's format (length, terminator,
         # family) before fi_av_insert reads it: the hello comes from the network.
         out, err = ffi.new("uint64_t *"), _Errbuf()
@@ -163,36 +146,23 @@ class LibfabricBackend(Healing, TransferBackend):
         with self._ep_lock, self._stuck_on(ep := self._ep):
             _check(lib.shim_av_insert(ep, raw, len(raw), out, err.buf, 256), err, "fi_av_insert")
             peer.native = int(out[0])
-            if self.provider == "shm":
-                shmlocks.guard_peer(ep, peer.native, raw, self._lock_off, peer.address, self._look)
 
     def _native_disconnect(self, peer: Peer) -> None:
         if peer.native is None:
             return
         if self._shim_closed or self._healing:
             # The AV went (or goes) with the endpoint. While it is being replaced the old
-            # poller may still be reading responses: removing an address now would unmap a
-            # region that shm's response handling touches (SIGSEGV, seen in CI).
+            # poller may still be reading completions that name the address: leave it.
             peer.native = None
             return
-        # In-flight writes to a dead peer may never complete (shm): the shim frees them
-        # when they do, or at close. While any are queued the address must stay in the AV:
-        # shm unmaps the peer's region on fi_av_remove and its progress then faults on it.
+        # In-flight writes to a lost peer complete (with an error) later: the shim frees them
+        # when they do, or at close. While any are queued the address stays in the AV: their
+        # completions may still name it.
         ep = self._ep
         pending = lib.shim_abandon_peer(ep, peer.native)
         if pending == -ESTUCK:  # return now: the caller fails the peer's futures next
             self._on_stuck(ep, stuck_text())
         elif pending:
-            self._stale_addrs += 1
-            if self.provider == "shm":
-                self._poison(
-                    f"shm endpoint unusable: peer {peer.address} was lost with {pending} batch(es) in flight; "
-                    "libfabric shm consumes write responses in order, so the dead peer's never-answered "
-                    "response blocks every later non-inject write (head-of-line); the endpoint is being "
-                    "replaced")
-        elif self.provider == "shm" and peer.state is PeerState.LOST:
-            # A dead shm sender may still have commands in our queue that point into its
-            # region: keep it mapped (one AV slot per lost peer, freed at close).
             self._stale_addrs += 1
         else:
             err = _Errbuf()
@@ -283,7 +253,7 @@ class LibfabricBackend(Healing, TransferBackend):
         if ret == -ESTUCK:
             self._on_stuck(ep, str(err))
             raise EndpointStuck(f"libfabric post: {err}")
-        if ret == -errno.ECONNRESET and peer.state is PeerState.CONNECTED:  # the shim saw its process exit
+        if ret == -errno.ECONNRESET and peer.state is PeerState.CONNECTED:  # the provider saw it go
             self._lose_peer(peer, f"its process exited ({err})")
             raise PeerLostError(f"libfabric post to {peer.address}: {err}")
         if ret:
@@ -320,9 +290,6 @@ class LibfabricBackend(Healing, TransferBackend):
                 # Whatever one event does (a user callback, a bug of ours), the thread must
                 # survive it: it is the only one that completes this backend's transfers.
                 try:
-                    if events[i].kind == _EV_STUCK:
-                        self._on_stuck(ep, ffi.string(events[i].msg).decode(errors="replace"))
-                        continue
                     self._handle_event(events[i])
                 except Exception as e:  # noqa: BLE001
                     log.exception("libfabric progress: handling event kind %d failed", events[i].kind)
@@ -362,13 +329,10 @@ class LibfabricBackend(Healing, TransferBackend):
             live = -1
         return {"native_batches": live, "stale_addresses": self._stale_addrs,
                 "poisoned": int(bool(self._poisoned)), "async_errors": self._async_errors,
-                "endpoints_replaced": self.endpoints_replaced, "endpoints_abandoned": self.endpoints_abandoned,
-                "dead_locks_released": self.dead_locks_released}
+                "endpoints_replaced": self.endpoints_replaced, "endpoints_abandoned": self.endpoints_abandoned}
 
     def _native_close(self) -> None:
         self._stop_watchdog()
-        if getattr(self, "_probe", None) is not None:
-            self._probe.close()
         with self._ep_lock:  # never while the endpoint is being replaced
             if self._shim_closed:
                 return

@@ -1,19 +1,14 @@
 """How the libfabric backend replaces an endpoint that is of no use any more (a mixin of it).
 
-Two causes: poisoned (shm: a peer died with writes in flight, and its never-answered response
-blocks every later write, head-of-line) and stuck (a thread has been inside the provider, holding
-the endpoint, for SHIM_STUCK_MS; shm: a spinlock in shared memory whose holder died). Either
-way: writes are refused with the reason, the pending batches fail with it, peers are closed (they
-reconnect and learn the new address from a fresh HELLO), the old endpoint is closed, memory is
-registered again on a new one under the same region ids, and a new poller starts. An endpoint
-that cannot be closed (a thread stuck inside) is abandoned: never freed (its shm region file is
-removed), one error line in the log.
-Stuck is found by the next call into the shim (it waits SHIM_STUCK_MS at most), by the poller
-(shm: our region's lock held that long), or, when nobody calls in (a poller stuck inside
-fi_cq_read while the writers wait on their futures), by a watchdog thread that asks the shim
-ten times a second without waiting (shim_check). Before that it has the shim release the region
-lock of a peer that died holding it (shim_release_dead_locks): a writer waiting inside the
-provider for it comes back out, and only the peer is lost, not the endpoint.
+The cause: stuck (a thread has been inside the provider, holding the endpoint, for
+SHIM_STUCK_MS). Then writes are refused with the reason, the pending batches fail with it, peers
+are closed (they reconnect and learn the new address from a fresh HELLO), the old endpoint is
+closed, memory is registered again on a new one under the same region ids, and a new poller
+starts. An endpoint that cannot be closed (a thread stuck inside) is abandoned: never freed, one
+error line in the log.
+Stuck is found by the next call into the shim (it waits SHIM_STUCK_MS at most), or, when nobody
+calls in (a poller stuck inside fi_cq_read while the writers wait on their futures), by a
+watchdog thread that asks the shim ten times a second without waiting (shim_check).
 
 Contract with the backend: `_ep`, `_poller`, `_stop`, `_ep_lock` (held for the whole swap, never
 longer than the shim's bound on a stuck endpoint), `_fins` (each endpoint's finalizer), and
@@ -28,8 +23,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from . import shmlocks
-from .native import ESTUCK, EndpointStuck, address_of, ffi, lib, register_on, stuck_text
+from .native import ESTUCK, EndpointStuck, ffi, lib, register_on, stuck_text
 
 log = logging.getLogger("sglang_disagg.backends.libfabric.backend")
 _WATCH_S = 0.1
@@ -40,7 +34,7 @@ class Healing:
         self._heal_lock = threading.Lock()
         self._healing = self._stuck = False
         self._poisoned = ""
-        self.endpoints_replaced = self.endpoints_abandoned = self.dead_locks_released = 0
+        self.endpoints_replaced = self.endpoints_abandoned = 0
         self._watch_stop = threading.Event()
 
     def _start_watchdog(self) -> None:
@@ -53,17 +47,10 @@ class Healing:
             self._watchdog.join(timeout=1.0)
 
     def _watch_loop(self) -> None:
-        msg = ffi.new("char[]", 256)
         while not self._watch_stop.wait(_WATCH_S):
             ep = self._ep
             if self._shim_closed:
                 continue
-            # First the locks of dead peers: a writer waiting inside for one comes back out
-            # before the stuck bound, and the endpoint needs no replacing.
-            released = lib.shim_release_dead_locks(ep, msg, 256)
-            if released:
-                self.dead_locks_released += released
-                log.warning("libfabric shm: %s", ffi.string(msg).decode(errors="replace"))
             if lib.shim_check(ep) == -ESTUCK:
                 self._on_stuck(ep, stuck_text())
 
@@ -78,8 +65,6 @@ class Healing:
             return
         if fin is not None:
             fin.detach()  # freeing it would pull the struct from under the stuck thread
-        if self.provider == "shm":
-            shmlocks.unlink_region(address_of(ep))
         self.endpoints_abandoned += 1
         log.error("libfabric %s: abandoning an endpoint that cannot be closed (%s); its memory and the thread "
                   "stuck in it stay until the process exits", self.fi_info["prov"], self._poisoned or stuck_text())

@@ -1,4 +1,4 @@
-"""The shim's Python face: the cffi module, its error buffers, and shm's leftover files.
+"""The shim's Python face: the cffi module and its error buffers.
 
 Every shim call that can fail fills a caller-owned error buffer with libfabric's own text
 (fi_strerror and what failed); `check` turns a non-zero status into TransferError with it, or
@@ -8,17 +8,10 @@ been stuck inside the provider, holding it, for SHIM_STUCK_MS), and the backend 
 
 from __future__ import annotations
 
-import glob
-import logging
-import os
-import threading
-
 from typing import Any
 
 from ..errors import BackendUnavailable, TransferError
 from ..regions import Memory, MemoryKind, NativeRegistration
-
-log = logging.getLogger(__name__)
 
 try:
     from ._shim import ffi, lib
@@ -54,8 +47,7 @@ class EndpointStuck(TransferError):
 
 def stuck_text() -> str:
     """Why, for a shim call that answers SHIM_ESTUCK without an error buffer."""
-    return (f"endpoint stuck: a thread has been inside the provider for {STUCK_MS / 1000:g} s, holding "
-            "the endpoint (libfabric shm: a process died holding a spinlock in shared memory)")
+    return f"endpoint stuck: a thread has been inside the provider for {STUCK_MS / 1000:g} s, holding the endpoint"
 
 
 def check(ret: int, err: Errbuf, what: str) -> None:
@@ -87,26 +79,3 @@ def register_on(ep: Any, addr: int, length: int, memory: Memory) -> NativeRegist
     check(lib.shim_mr_reg(ep, ffi.cast("void *", addr), length, iface, max(memory.device, 0), h, key, base,
                           err.buf, 256), err, "register")
     return NativeRegistration(int(h[0]), int(base[0]), int(key[0]))
-
-
-_swept = {"pid": 0}
-_sweep_lock = threading.Lock()
-
-
-def sweep_dead_namesakes() -> None:
-    """libfabric shm keeps each endpoint's queues in /dev/shm/<pid>:<domain>:<endpoint> and
-    leaves the file behind when its process is killed. pids come round again (pid_max is
-    often 32768), and a process given a dead one's pid then cannot open an endpoint
-    (fi_enable: Device or resource busy; seen in CI). Before this process's first shm
-    endpoint, every file named with its pid can only be a dead process's: remove them."""
-    with _sweep_lock:
-        pid = os.getpid()
-        if _swept["pid"] == pid:
-            return
-        _swept["pid"] = pid
-        for path in glob.glob(f"/dev/shm/{pid}:*"):
-            try:
-                os.unlink(path)
-                log.info("libfabric shm: removed %s, left by a killed process that had our pid", path)
-            except OSError:
-                pass

@@ -1,7 +1,7 @@
 /* libfabric RDM shim: one endpoint, one CQ, one AV per shim_ep.
  * Locking: one mutex serialises every libfabric call on the endpoint, so we can
  * ask for FI_THREAD_DOMAIN (cheapest) while Python posts and polls from two threads.
- * Progress: manual-progress providers (shm, tcp;ofi_rxm) only move data when the
+ * Progress: manual-progress providers (tcp;ofi_rxm, verbs;ofi_rxm) only move data when the
  * CQ is read, so posting drains the CQ on -FI_EAGAIN, and idle polling yields:
  * on 2 vCPUs a spinning poller starves the peer's progress.
  * Lifetime: every entry point enters/leaves under the lock and counts itself in `users`;
@@ -9,20 +9,14 @@
  * shim_post's back-off, the poller), then closes the fids. The struct itself (and its mutex)
  * stays valid until shim_free, so a Python thread that calls in after close gets a clean
  * -FI_ESHUTDOWN instead of touching freed memory.
- * Stuck: a thread that never comes back out of the provider keeps the mutex for good (libfabric
- * shm spins forever on a spinlock in shared memory whose holder died). Only the poller waits for
- * the mutex without bound; every other caller gives up with -SHIM_ESTUCK once the holder has made
- * no progress for SHIM_STUCK_MS, and so does shim_close, which then leaves the endpoint to leak.
- * shm guards: so that no thread of ours waits inside the provider on such a lock, we map the
- * regions read-only (our own, each peer's) and look at their lock word before fi_cq_read (ours)
- * and fi_writedata (the peer's): one load, with the line the provider is about to lock anyway.
- * A lock found held is waited for here, where the peer's pidfd and the deadlines are watched. */
+ * Stuck: a thread that never comes back out of the provider keeps the mutex for good. Only the
+ * poller waits for the mutex without bound; every other caller gives up with -SHIM_ESTUCK once the
+ * holder has made no progress for SHIM_STUCK_MS, and so does shim_close, which then leaves the
+ * endpoint to leak. Everything here goes through libfabric's public API (rdma/fi_*.h) only. */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
 #include <errno.h>
-#include <fcntl.h>
-#include <poll.h>
 #include <pthread.h>
 #include <sys/random.h>
 #include <sched.h>
@@ -31,12 +25,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#include <unistd.h>
 #include <netinet/in.h>
-#include <sys/mman.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
-#include <sys/syscall.h>
 #include <rdma/fabric.h>
 #include <rdma/fi_cm.h>
 #include <rdma/fi_domain.h>
@@ -45,7 +35,6 @@
 #include <rdma/fi_errno.h>
 #include <rdma/fi_rma.h>
 #include "shim.h"
-#include "shmwatch.h"
 
 #define N_RECV 256
 #define CQ_BATCH 64
@@ -56,25 +45,6 @@
  * ENTER_MAX_NS: starved that long is as good as stuck). */
 #define LOCK_SLICE_NS (50LL * 1000000LL)
 #define ENTER_MAX_NS (4 * STUCK_NS)
-/* A spinlock in shared memory found held is waited for this long (spinning) before backing off. */
-#define SPIN_WAIT_NS 20000LL
-/* A peer's pidfd is polled (a syscall) at most this often by posts that go through; always by
- * a post that backs off. A write posted in between to a peer just dead fails with the peer
- * (control channel EOF), like one posted just before it died. */
-#define PID_CHECK_NS 1000000LL
-/* A dead peer's region lock found held at every look for this long is released; our own, held
- * since about when a peer died, after OWN_HELD_NS (shmwatch.c): both well inside STUCK_NS. The
- * watchdog looks about every LOOK_NS. */
-#define DEAD_HELD_NS (150LL * 1000000LL)
-#define OWN_HELD_NS (800LL * 1000000LL)
-#define LOOK_NS (100LL * 1000000LL)
-#if defined(__x86_64__) || defined(__i386__)
-#define cpu_relax() __builtin_ia32_pause()
-#elif defined(__aarch64__)
-#define cpu_relax() __asm__ __volatile__("yield")
-#else
-#define cpu_relax() ((void)0)
-#endif
 /* MR handles handed to Python: slot | generation << 32, so a handle kept past its
  * deregistration never resolves to a later registration that reused the slot. */
 #define MR_SLOT(h) ((size_t)((h) & 0xffffffffu))
@@ -100,13 +70,8 @@ struct imm_count { uint32_t tag; uint64_t count; };
 struct tag_err { uint32_t tag; int status; char msg[192]; };
 struct mr_slot { struct fid_mr *mr; void *buf; size_t len; void *desc; uint32_t gen; };
 
-/* A peer in our AV that we may post to, and what we watch of it (shm): its process (pidfd)
- * and the lock word of its region (a read-only mapping of the region's first page). */
-struct peer_ent {
-    uint64_t addr; int pidfd, pid, exited; int64_t checked;
-    const int *lock; void *map; size_t maplen;  /* lock NULL: not looked at before posting */
-};
-struct peer_tab { struct peer_ent *v; size_t n, cap; };
+/* The peers in our AV that we may post to. */
+struct peer_tab { uint64_t *v; size_t n, cap; };
 
 struct shim_ep {
     pthread_mutex_t lock;
@@ -114,14 +79,11 @@ struct shim_ep {
     int users, closed;
     int closing;                     /* atomic: set by shim_close before it takes the lock */
     int stuck, stuck_claim;          /* atomic, sticky: see SHIM_ESTUCK; stuck_msg says why */
-    int stuck_event;                 /* 1: shim_poll is to report it, 2: reported */
     char stuck_msg[160];
     int64_t held_since;              /* atomic: when the mutex's holder took it or last made progress */
     int slow;                        /* atomic: the holder is registering memory (pinning many GB on
                                       * verbs/efa takes seconds): long, not stuck */
     char name[256]; size_t namelen;  /* our address, fixed at open */
-    const int *own_lock; void *own_map; size_t own_maplen;  /* shm: our region's lock word */
-    int64_t own_busy_since;          /* since when drain() has found it held, or 0 */
     size_t addrlen;                  /* length of our own address */
     uint32_t addr_format;            /* FI_ADDR_STR, FI_SOCKADDR_IN, ...: what a peer's must be */
     char scheme[32];                 /* FI_ADDR_STR: our "fi_xxx://" prefix */
@@ -143,12 +105,11 @@ struct shim_ep {
     int64_t last_activity;           /* ns; last post or completion, drives idle back-off */
     struct peer_tab postable;        /* in this endpoint's AV and not abandoned: posts to any other
                                       * address (a lost peer's, another endpoint's) are refused */
-    shmwatch *dead;                  /* shm: peers' region locks, released once their owner died */
     struct tag_err *tag_errs; size_t n_tag_errs, cap_tag_errs;  /* failed remote writes, by tag */
 };
 
-static struct peer_ent *peer_find(struct peer_tab *t, uint64_t a) {
-    for (size_t i = 0; i < t->n; i++) if (t->v[i].addr == a) return &t->v[i];
+static uint64_t *peer_find(struct peer_tab *t, uint64_t a) {
+    for (size_t i = 0; i < t->n; i++) if (t->v[i] == a) return &t->v[i];
     return NULL;
 }
 
@@ -156,24 +117,16 @@ static void peer_add(struct peer_tab *t, uint64_t a) {
     if (peer_find(t, a)) return;
     if (t->n == t->cap) {
         size_t cap = t->cap ? 2 * t->cap : 16;
-        struct peer_ent *p = realloc(t->v, cap * sizeof *p);
+        uint64_t *p = realloc(t->v, cap * sizeof *p);
         if (!p) return;  /* not postable: posts to it are refused */
         t->v = p; t->cap = cap;
     }
-    t->v[t->n++] = (struct peer_ent){ .addr = a, .pidfd = -1 };
-}
-
-static void unguard(struct peer_ent *p) {
-    if (p->pidfd >= 0) close(p->pidfd);
-    if (p->map) munmap(p->map, p->maplen);
-    *p = (struct peer_ent){ .addr = p->addr, .pidfd = -1 };
+    t->v[t->n++] = a;
 }
 
 static void peer_del(struct peer_tab *t, uint64_t a) {
-    struct peer_ent *p = peer_find(t, a);
-    if (!p) return;
-    unguard(p);
-    *p = t->v[--t->n];
+    uint64_t *p = peer_find(t, a);
+    if (p) *p = t->v[--t->n];
 }
 
 static void set_err(char *err, size_t len, const char *what, int ret) {
@@ -210,8 +163,7 @@ static int stuck_err(shim_ep *e, char *err, size_t errlen) {
     return -SHIM_ESTUCK;
 }
 
-#define STUCK_INSIDE "a thread has been inside the provider for %g s, holding the endpoint " \
-                     "(libfabric shm: a process died holding a spinlock in shared memory)"
+#define STUCK_INSIDE "a thread has been inside the provider for %g s, holding the endpoint"
 
 /* Take the mutex for a caller other than the poller: 0, or -SHIM_ESTUCK once its holder has made
  * no progress for STUCK_NS (or this caller waited max_ns). */
@@ -262,63 +214,6 @@ static int enter_poller(shim_ep *e) {
 static void leave(shim_ep *e) {
     if (--e->users == 0 && closing(e)) pthread_cond_broadcast(&e->idle);
     pthread_mutex_unlock(&e->lock);
-}
-
-/* ----- shm guards: spinlocks in shared memory, looked at, never taken ----- */
-static int spin_free_value;          /* what an unlocked pthread_spinlock_t holds (glibc x86-64: 1) */
-static pthread_once_t spin_once = PTHREAD_ONCE_INIT;
-static void spin_probe(void) {
-    pthread_spinlock_t l;
-    pthread_spin_init(&l, PTHREAD_PROCESS_SHARED);
-    spin_free_value = *(volatile int *)&l;
-    pthread_spin_destroy(&l);
-}
-
-static int word_free(const int *w) { return __atomic_load_n(w, __ATOMIC_ACQUIRE) == spin_free_value; }
-
-static int wait_free(const int *w) {
-    if (word_free(w)) return 1;
-    int64_t end = now_ns() + SPIN_WAIT_NS;
-    do { cpu_relax(); if (word_free(w)) return 1; } while (now_ns() < end);
-    return 0;
-}
-
-/* Maps the first page of /dev/shm/<region> read-only; *lock = the int at `off`. */
-static int map_lock(const char *region, int64_t off, void **map, size_t *len, const int **lock) {
-    int ret = shm_map_page(region, off, 0, map, len);
-    if (!ret) *lock = (const int *)((const char *)*map + off);
-    return ret;
-}
-
-/* Sticky: a pidfd turns readable when its process exits (a zombie too). `now`: 0 to poll
- * whenever, else not more often than PID_CHECK_NS. */
-static int peer_exited(struct peer_ent *p, int64_t now) {
-    if (!p || p->pidfd < 0) return 0;
-    if (!p->exited && (!now || now - p->checked >= PID_CHECK_NS)) {
-        struct pollfd q = { .fd = p->pidfd, .events = POLLIN };
-        p->exited = poll(&q, 1, 0) > 0;
-        p->checked = now;
-    }
-    return p->exited;
-}
-
-/* fi_writedata would wait for this peer's region lock inside the provider: held, wait here. */
-static int peer_busy(struct peer_ent *p) { return p && p->lock && !wait_free(p->lock); }
-
-/* fi_cq_read takes our own region's lock (progress): held, do not go in. Held STUCK_NS by
- * someone else (nothing of ours can hold it: fi_cq_read runs under the mutex), it will not be
- * released: the endpoint is stuck, and shim_poll says so. Caller holds the mutex. */
-static int own_lock_free(shim_ep *e) {
-    if (!e->own_lock || wait_free(e->own_lock)) { e->own_busy_since = 0; return 1; }
-    int64_t now = now_ns();
-    if (!e->own_busy_since) {
-        e->own_busy_since = now;
-    } else if (now - e->own_busy_since >= STUCK_NS && !e->stuck_event) {
-        declare_stuck(e, "another process has held this shm endpoint's region lock for %g s "
-                         "(it died holding it: libfabric shm's progress would spin on it for good)");
-        e->stuck_event = 1;
-    }
-    return 0;
 }
 
 static void list_del(struct shim_batch *b) { b->prev->next = b->next; b->next->prev = b->prev; }
@@ -394,7 +289,6 @@ static int drain(shim_ep *e) {
     int total = 0;
     if (e->n_unposted) repost_recvs(e);
     for (;;) {
-        if (!own_lock_free(e)) return total;
         ssize_t n = fi_cq_read(e->cq, ent, CQ_BATCH);
         if (n == -FI_EAGAIN) return total;
         if (n == -FI_EAVAIL) {
@@ -482,24 +376,21 @@ static void close_fids(shim_ep *e);
 
 /* Frees the struct; only for an endpoint nobody else can reach (failed open, shim_free). */
 static void destroy(shim_ep *e) {
-    free(e->mrs); free(e->imms); free(e->postable.v); free(e->tag_errs);  /* guards: close_fids */
-    shmwatch_free(e->dead);
+    free(e->mrs); free(e->imms); free(e->postable.v); free(e->tag_errs);
     pthread_cond_destroy(&e->idle);
     pthread_mutex_destroy(&e->lock);
     free(e);
 }
 
 /* hmem: ask for FI_HMEM (and FI_MR_HMEM), i.e. an endpoint that may register device
- * memory. Only on request: shm answers FI_HMEM with other attributes (no inject), and a
+ * memory. Only on request: a provider may answer FI_HMEM with other attributes, and a
  * listed FI_HMEM says nothing about a CUDA registration succeeding (Debian's 1.17 lists it
- * for shm without CUDA support): shim_mr_reg is what tells. */
+ * without CUDA support): shim_mr_reg is what tells. */
 int shim_open(const char *prov, const char *node, int hmem, shim_ep **out, char *err, size_t errlen) {
     shim_ep *e = calloc(1, sizeof *e);
     struct fi_info *hints = fi_allocinfo();
     int ret;
     if (!e || !hints) { set_err(err, errlen, "alloc", -FI_ENOMEM); free(e); fi_freeinfo(hints); return -FI_ENOMEM; }
-    pthread_once(&spin_once, spin_probe);
-    e->dead = shmwatch_new(spin_free_value);  /* NULL (no memory): dead peers' locks stay held */
     pthread_mutex_init(&e->lock, NULL);
     pthread_cond_init(&e->idle, NULL);
     e->live.next = e->live.prev = &e->live;
@@ -589,85 +480,6 @@ int shim_getname(shim_ep *e, void *buf, size_t *len, char *err, size_t errlen) {
     return 0;
 }
 
-int shim_guard_self(shim_ep *e, const char *region, int64_t lock_off, int flags, char *err, size_t errlen) {
-    void *m; size_t n; const int *w;
-    int ret = enter(e, err, errlen);
-    if (ret) return ret;
-    if ((ret = map_lock(region, lock_off, &m, &n, &w))) {
-        set_err(err, errlen, "shim_guard_self: mapping the endpoint's shm region", ret);
-    } else if (!word_free(w)) {  /* nobody can hold it yet (no peer knows us, no poll ran): wrong word */
-        if (err && errlen)
-            snprintf(err, errlen, "shim_guard_self: the int at offset %lld of /dev/shm/%s is %d, not a free "
-                     "spinlock (%d): unknown region layout", (long long)lock_off, region, *w, spin_free_value);
-        munmap(m, n);
-        ret = -FI_EINVAL;
-    } else {
-        if (e->own_map) munmap(e->own_map, e->own_maplen);
-        e->own_map = m; e->own_maplen = n; e->own_lock = w; e->own_busy_since = 0;
-        /* our poller may still end up waiting inside on it (a peer takes it between our look and
-         * fi_cq_read's lock, then dies): released there once a peer is dead (shmwatch.c) */
-        int r = shmwatch_add_own(e->dead, region, lock_off);
-        if (r && err && errlen)
-            snprintf(err, errlen, "shim_guard_self: our lock is looked at, but would stay held if a peer died "
-                     "holding it (%s)", strerror(-r));
-        if (flags & SHIM_GUARD_NO_LOOK) e->own_lock = NULL;
-    }
-    leave(e);
-    return ret;
-}
-
-int shim_guard_peer(shim_ep *e, uint64_t fi_addr, int pid, const char *region, int64_t lock_off,
-                    int flags, char *err, size_t errlen) {
-    int ret = enter(e, err, errlen);
-    if (ret) return ret;
-    struct peer_ent *p = peer_find(&e->postable, fi_addr);
-    if (!p) {
-        ret = -FI_EINVAL;
-        set_err(err, errlen, "shim_guard_peer: not a peer in this endpoint's address vector", ret);
-        goto out;
-    }
-    unguard(p);
-    shmwatch_del(e->dead, fi_addr);
-    if (pid > 0) {
-#ifdef SYS_pidfd_open
-        int fd = (int)syscall(SYS_pidfd_open, pid, 0);
-#else
-        int fd = -1; errno = ENOSYS;
-#endif
-        if (fd >= 0) {
-            p->pidfd = fd; p->pid = pid;
-        } else if (errno == ESRCH) {
-            ret = -FI_ECONNRESET;
-            if (err && errlen) snprintf(err, errlen, "the peer's process (pid %d) is gone", pid);
-            goto out;
-        }   /* else (a kernel before 5.3): its exit is noticed by the control channel only */
-    }
-    if (region && lock_off >= 0) {
-        if ((ret = map_lock(region, lock_off, &p->map, &p->maplen, &p->lock))) {
-            set_err(err, errlen, "shim_guard_peer: mapping the peer's shm region (its lock is not watched)", ret);
-        } else if (e->own_map && *(const uint8_t *)p->map != *(const uint8_t *)e->own_map) {
-            /* another shm version may lay its region out otherwise: read nothing of it */
-            if (err && errlen)
-                snprintf(err, errlen, "shim_guard_peer: the peer's shm region has version %u, ours %u "
-                         "(its lock is not watched)", *(const uint8_t *)p->map, *(const uint8_t *)e->own_map);
-            munmap(p->map, p->maplen);
-            p->map = NULL; p->lock = NULL;
-            ret = -FI_EINVAL;
-        } else {
-            /* a writer may still end up waiting inside on it (the look and the provider's lock
-             * are two steps): released there once the peer is dead */
-            int w = p->pidfd >= 0 ? shmwatch_add(e->dead, fi_addr, p->pidfd, region, lock_off) : -EINVAL;
-            if (w && err && errlen)
-                snprintf(err, errlen, "shim_guard_peer: the peer's lock is looked at, but would stay held if it "
-                         "died holding it (%s)", strerror(-w));
-            if (flags & SHIM_GUARD_NO_LOOK) p->lock = NULL;
-        }
-    }
-out:
-    leave(e);
-    return ret;
-}
-
 /* A peer's address comes from its hello, i.e. from the network: check it is one our
  * provider can parse before fi_av_insert reads it (it reads as many bytes as its own
  * format implies, whatever we were sent). Returns 0 or -FI_EINVAL with `err` set. */
@@ -675,7 +487,7 @@ static int check_peer_addr(shim_ep *e, const unsigned char *a, size_t n, char *e
     const char *why = NULL;
     size_t want = e->addrlen;
     switch (e->addr_format) {
-    case FI_ADDR_STR:  /* "fi_shm://pid:..": NUL-terminated, variable length, our scheme */
+    case FI_ADDR_STR:  /* "fi_xxx://...": NUL-terminated, variable length, our scheme */
         if (n < 2 || n > 256 || a[n - 1] != 0 || strlen((const char *)a) != n - 1)
             why = "is not a NUL-terminated address string of at most 256 bytes";
         else if (e->scheme[0] && strncmp((const char *)a, e->scheme, strlen(e->scheme)))
@@ -723,7 +535,7 @@ int shim_av_remove(shim_ep *e, uint64_t fi_addr, char *err, size_t errlen) {
     int ret = enter(e, err, errlen);
     if (ret) return ret;
     ret = fi_av_remove(e->av, &a, 1, 0);
-    if (!ret) { peer_del(&e->postable, a); shmwatch_del(e->dead, a); }
+    if (!ret) peer_del(&e->postable, a);
     leave(e);
     if (ret) set_err(err, errlen, "fi_av_remove", ret);
     return ret;
@@ -825,13 +637,7 @@ int shim_mr_close(shim_ep *e, uint64_t handle, char *err, size_t errlen) {
 static int post_locked(shim_ep *e, struct shim_batch *b, size_t n, const uint64_t *mr,
                        const uint64_t *src_off, const uint64_t *raddr, const uint64_t *rkey,
                        const uint64_t *len, uint32_t imm, int *held, char *err, size_t errlen) {
-    struct peer_ent *pe = peer_find(&e->postable, b->peer);
     *held = 1;
-    if (peer_exited(pe, now_ns())) {  /* shm would queue the writes for nobody, or spin on its dead lock */
-        if (err && errlen) snprintf(err, errlen, "fi_writedata: the peer's process (pid %d) exited", pe->pid);
-        free(b);
-        return -FI_ECONNRESET;
-    }
     b->remaining = n;
     touch(e);
     b->next = e->live.next; b->prev = &e->live; e->live.next->prev = b; e->live.next = b;
@@ -849,10 +655,8 @@ static int post_locked(shim_ep *e, struct shim_batch *b, size_t n, const uint64_
         op->b = b; op->kind = OP_WRITE;
         int64_t stalled_since = 0;
         while (!ret) {
-            /* Abandoned (the peer was lost) while we backed off: its lock is not watched any
-             * more, so do not go in. The peer's region lock held: shm would wait for it inside
-             * fi_writedata (for good, if its holder died): wait here instead, as for a full queue. */
-            ssize_t r = b->abandoned ? -FI_EAGAIN : peer_busy(pe) ? -FI_EAGAIN
+            /* Abandoned (the peer was lost) while we backed off: do not go in. */
+            ssize_t r = b->abandoned ? -FI_EAGAIN
                       : fi_writedata(e->ep, (char *)s->buf + src_off[i], len[i], s->desc,
                                      imm, b->peer, raddr[i], rkey[i], &op->ctx);
             if (r == 0) break;
@@ -867,13 +671,7 @@ static int post_locked(shim_ep *e, struct shim_batch *b, size_t n, const uint64_
                 ret = (int)r;
                 break;
             }
-            if (drain(e) == 0) {  /* queue full (or lock held) and nothing completed: let the peer run */
-                if (peer_exited(pe, 0)) {
-                    ret = -FI_ECONNRESET;
-                    if (err && errlen)
-                        snprintf(err, errlen, "fi_writedata: the peer's process (pid %d) exited", pe->pid);
-                    break;
-                }
+            if (drain(e) == 0) {  /* queue full and nothing completed: let the peer run */
                 if (!stalled_since) stalled_since = now_ns();
                 pthread_mutex_unlock(&e->lock);
                 idle_wait(e);
@@ -892,7 +690,7 @@ static int post_locked(shim_ep *e, struct shim_batch *b, size_t n, const uint64_
                     ret = -FI_EINVAL;
                     set_err(err, errlen, "shim_post: source region was deregistered", ret);
                 }
-                else if (pe && !(pe = peer_find(&e->postable, b->peer))) {  /* moved, or dropped */
+                else if (!peer_find(&e->postable, b->peer)) {  /* dropped while we were unlocked */
                     ret = -FI_ECONNRESET;
                     set_err(err, errlen, "fi_writedata (peer lost while the queue was full)", ret);
                 }
@@ -926,8 +724,8 @@ int shim_post(shim_ep *e, uint64_t batch_id, uint64_t peer, size_t n,
     if (ret) { free(b); return ret; }
     if (!peer_find(&e->postable, peer)) {
         /* Lost between Python's check and here, or an address of another endpoint (ours was
-         * replaced after the caller read it; shm answers -FI_EAGAIN for a peer it cannot
-         * map, so posting would stall, not fail): post nothing. */
+         * replaced after the caller read it; a provider may answer -FI_EAGAIN for an address
+         * it cannot use, so posting would stall, not fail): post nothing. */
         leave(e);
         free(b);
         set_err(err, errlen, "shim_post: peer was lost or is not in this endpoint's address vector",
@@ -965,13 +763,6 @@ static int collect(shim_ep *e, shim_event *ev, int cap) {
         v->kind = 4; v->tag = t->tag; v->status = t->status;
         memcpy(v->msg, t->msg, sizeof v->msg);
     }
-    if (k < cap && e->stuck_event == 1) {
-        shim_event *v = &ev[k++];
-        memset(v, 0, sizeof *v);
-        v->kind = 5; v->status = SHIM_ESTUCK;
-        snprintf(v->msg, sizeof v->msg, "%s", e->stuck_msg);
-        e->stuck_event = 2;
-    }
     if (k < cap && e->async_status) {
         shim_event *v = &ev[k++];
         memset(v, 0, sizeof *v);
@@ -1005,10 +796,9 @@ int shim_abandon_peer(shim_ep *e, uint64_t peer) {
     int k = 0, ret = enter_count(e);
     if (ret) return ret < 0 ? ret : 0;
     peer_del(&e->postable, peer);
-    shmwatch_del(e->dead, peer);
     /* Count batches abandoned earlier (expired) too: their writes are still the provider's,
-     * and shm touches the peer's region when their responses come, so the address must
-     * stay in the AV (and, the peer being gone, they block later responses) just the same. */
+     * whose completions may still name the peer's address: it must stay in the AV until they
+     * are done, just the same. */
     for (struct shim_batch *b = e->live.next; b != &e->live; b = b->next)
         if (b->peer == peer) { if (!b->internal) b->abandoned = 1; k++; }
     leave(e);
@@ -1026,10 +816,6 @@ int shim_abandon_batch(shim_ep *e, uint64_t batch_id) {
         if ((*pp)->id == batch_id) { struct shim_batch *b = *pp; *pp = b->next; free(b); k = 1; break; }
     leave(e);
     return k;
-}
-
-int shim_release_dead_locks(shim_ep *e, char *msg, size_t msglen) {
-    return shmwatch_release_dead(e->dead, now_ns(), DEAD_HELD_NS, OWN_HELD_NS, 2 * LOOK_NS, msg, msglen);
 }
 
 int shim_check(shim_ep *e) {
@@ -1102,10 +888,6 @@ static void close_fids(shim_ep *e) {
     while (e->live.next != &e->live) { struct shim_batch *b = e->live.next; list_del(b); free(b); }
     while (e->done_head) { struct shim_batch *b = e->done_head; e->done_head = b->next; free(b); }
     e->n_imms = 0; e->n_tag_errs = 0; e->async_status = 0;
-    for (size_t i = 0; i < e->postable.n; i++) unguard(&e->postable.v[i]);
-    shmwatch_clear(e->dead);
-    if (e->own_map) munmap(e->own_map, e->own_maplen);
-    e->own_map = NULL; e->own_lock = NULL;
 }
 
 int shim_close(shim_ep *e) {

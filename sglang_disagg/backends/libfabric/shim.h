@@ -6,16 +6,13 @@
 typedef struct shim_ep shim_ep;
 
 /* SHIM_ESTUCK (negated) is what a call returns once the endpoint is stuck: a thread has been
- * inside the provider holding the endpoint for SHIM_STUCK_MS (libfabric shm spins forever on a
- * spinlock in shared memory that a dead process held), or, on shm, our own region's lock has
- * been held that long by another process. Every caller but the poller waits that long at most;
- * the endpoint is of no use any more: replace it. Not a libfabric errno. */
+ * inside the provider holding the endpoint for SHIM_STUCK_MS. Every caller but the poller waits
+ * that long at most; the endpoint is of no use any more: replace it. Not a libfabric errno. */
 enum { SHIM_ESTUCK = 4000, SHIM_STUCK_MS = 2000 };
 
 typedef struct {
     /* kind 4: a remote write carrying `tag` failed here (target side), status + msg say why */
-    /* kind 5: the endpoint is stuck (SHIM_ESTUCK), msg says why; reported once */
-    int kind;          /* 1 = batch done, 2 = immediates counted, 3 = async error, 4 = tag failed, 5 = stuck */
+    int kind;          /* 1 = batch done, 2 = immediates counted, 3 = async error, 4 = tag failed */
     int status;        /* 0 or the libfabric errno of the first failed op */
     uint32_t tag;      /* immediate (kinds 2 and 4) */
     uint64_t id;       /* batch id (kind 1) */
@@ -42,17 +39,6 @@ typedef struct {
 int shim_open(const char *prov, const char *node, int hmem, shim_ep **out, char *err, size_t errlen);
 int shim_get_info(shim_ep *ep, shim_info *info);
 int shim_getname(shim_ep *ep, void *buf, size_t *len, char *err, size_t errlen);
-/* shm: watch the provider's spinlocks in shared memory rather than wait on them inside
- * libfabric. region: the shm object's name (/dev/shm/<region>); lock_off: the lock's offset in
- * it, or -1 for none. shim_guard_self: our own region, before the first poll. shim_guard_peer:
- * a peer in our AV; pid > 0: posts to it fail with -FI_ECONNRESET once that process exited. */
-/* flags: SHIM_GUARD_NO_LOOK: the lock is not looked at before fi_cq_read (ours) or fi_writedata
- * (the peer's), only watched (tests: a thread then waits inside the provider, where only
- * shim_release_dead_locks gets it out). */
-enum { SHIM_GUARD_NO_LOOK = 1 };
-int shim_guard_self(shim_ep *ep, const char *region, int64_t lock_off, int flags, char *err, size_t errlen);
-int shim_guard_peer(shim_ep *ep, uint64_t fi_addr, int pid, const char *region, int64_t lock_off,
-                    int flags, char *err, size_t errlen);
 int shim_av_insert(shim_ep *ep, const void *addr, size_t addrlen, uint64_t *fi_addr, char *err, size_t errlen);
 int shim_av_remove(shim_ep *ep, uint64_t fi_addr, char *err, size_t errlen);
 /* iface: FI_HMEM_SYSTEM (0) or FI_HMEM_CUDA (1); device: the CUDA ordinal for CUDA */
@@ -69,11 +55,6 @@ int shim_live_batches(shim_ep *ep);
 /* For a watchdog, without waiting: -SHIM_ESTUCK if the endpoint is stuck (found so already, or
  * its mutex is held by a thread that made no progress for SHIM_STUCK_MS), else 0. */
 int shim_check(shim_ep *ep);
-/* For the watchdog, without waiting and without the endpoint's mutex (a thread spinning inside
- * the provider holds it): release the region locks of guarded peers whose process exited holding
- * them, and our own when it stays held while a peer has exited. Returns how many were released,
- * msg naming one. */
-int shim_release_dead_locks(shim_ep *ep, char *msg, size_t msglen);
 int64_t shim_bench(shim_ep *ep, uint64_t peer, size_t n, const uint64_t *mr,
                    const uint64_t *src_off, const uint64_t *raddr, const uint64_t *rkey,
                    const uint64_t *len, uint32_t imm, int iters, int64_t *lat_ns,
