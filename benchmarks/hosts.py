@@ -3,7 +3,7 @@
     python benchmarks/hosts.py --out DIR [--quick] [--rates 50 100 200 400]
         [--prompt-tokens 512 2048 4096] [--repeats 2] [--model small-llama]
 
-Prefill, decode and the router on three hosts (sglang_disagg/hosts/netns.py), the link into
+Prefill, decode and the router on three hosts (harness/hosts/netns.py), the link into
 the decode host (the KV flows into decode) capped with shaping.cap at each rate in turn,
 changed in place between measurements. First the uncapped veth goodput from the prefill host
 to the decode host is measured (a TCP stream: the rates must stay below it), then the goodput
@@ -15,7 +15,7 @@ has a fresh prompt (no radix-cache hit), is sent from inside the router's host a
 one token, so its latency is the TTFT.
 
 Each row (config, rate_mbit, prompt_tokens): medians of ttft_ms and tail_ms (prefill forward
-end -> decoder ready, read as sglang_disagg/hosts/tail.py says: upstream's understates),
+end -> decoder ready, read as harness/hosts/tail.py says: upstream's understates),
 kv_bytes (the decoder's sglang_disagg_kv_bytes_total delta; upstream: tokens x the model's
 KV per token), predicted_transfer_ms (kv_bytes*8/rate), predicted_one_layer_ms (that over
 the layers), and for streaming layer_compute_ms (the prefill's forward / layers) and the
@@ -40,11 +40,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from sglang_disagg.hosts import netns, shaping
-from sglang_disagg.hosts.deployment import Deployment, Layout
-from sglang_disagg.hosts.tail import Geometry, Probe, goodput_mbit, transfer_ms
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# the namespace harness lives beside the benchmarks, outside the installed package
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from harness.hosts import netns, shaping  # noqa: E402
+from harness.hosts.deployment import Deployment, Layout  # noqa: E402
+from harness.hosts.tail import Geometry, Probe, goodput_mbit, transfer_ms  # noqa: E402
 from single_request import prompt_of  # noqa: E402
 
 TARGET_SLACK_MS = 5.0

@@ -11,9 +11,13 @@ from __future__ import annotations
 import json
 import sys
 import urllib.request
+from pathlib import Path
 
-from sglang_disagg.hosts.tail import KV_BYTES
-from sglang_disagg.launch.client import generate_ids
+# Run as a script inside a host, so pytest's path is not ours: the harness lives at the
+# repository's root, outside the installed package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from harness.hosts.tail import KV_BYTES  # noqa: E402
+from sglang_disagg.launch.client import generate_ids  # noqa: E402
 
 
 

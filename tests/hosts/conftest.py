@@ -1,5 +1,5 @@
-"""Separate hosts for the tests: namespaces (sglang_disagg/hosts/netns.py) and deployments
-started in them with the public launcher (sglang_disagg/hosts/deployment.py).
+"""Separate hosts for the tests: namespaces (harness/hosts/netns.py) and deployments
+started in them with the public launcher (harness/hosts/deployment.py).
 
 Needs root (namespaces, a tmpfs on /dev/shm, veth links). Where they cannot be made the
 tests fail with the reason under CI=true and skip with it elsewhere. The session first
@@ -19,10 +19,10 @@ import pytest
 
 from e2e.conftest import COMMON_ARGS, OUTPUT_TOKENS, StackSpec, prompts_for, run_sequential, start_stack
 from e2e.faultlib import long_prompt
-from sglang_disagg.launch.client import generate_ids
-from sglang_disagg.hosts import netns
-from sglang_disagg.hosts.deployment import Deployment, Layout
+from harness.hosts import netns
+from harness.hosts.deployment import Deployment, Layout
 from sglang_disagg.launch import Role
+from sglang_disagg.launch.client import generate_ids
 from sglang_disagg.launch.config import Ports
 
 CLIENT = Path(__file__).with_name("client.py")

@@ -40,9 +40,9 @@ from pathlib import Path
 from e2e.conftest import assert_same
 from e2e.faultlib import wait_released
 from e2e.test_fuzz import PAYLOADS, _hostile
-from sglang_disagg.hosts import inside
-from sglang_disagg.hosts.deployment import Deployment
-from sglang_disagg.hosts.netns import Network
+from harness.hosts import inside
+from harness.hosts.deployment import Deployment
+from harness.hosts.netns import Network
 from sglang_disagg.launch.config import Ports
 
 from .conftest import ask

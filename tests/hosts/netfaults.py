@@ -15,9 +15,9 @@ from pathlib import Path
 
 from e2e.conftest import COMMON_ARGS
 from e2e.faultlib import Call, scrape, value, wait_for, wait_released
+from harness.hosts import inside, netns, shaping
+from harness.hosts.deployment import Deployment, Layout
 from sglang_disagg.backends import BackendConfig
-from sglang_disagg.hosts import inside, netns, shaping
-from sglang_disagg.hosts.deployment import Deployment, Layout
 from sglang_disagg.launch.config import Ports
 
 RATE_MBIT = 40            # the link into the decode host: 1500 tokens of tiny-llama KV (5.9 MiB) take ~1.2 s

@@ -7,7 +7,7 @@ the layer's 4 MiB take to cross). One 2048-token request with the prefill stream
 layer's KV, then the same deployment with only the prefill server restarted with
 --no-stream (the cheapest way to a second configuration: the decoder and router stay, its
 link reconnects), and one more request. The tail is "prefill forward end -> decoder
-ready" (sglang_disagg/hosts/tail.py).
+ready" (harness/hosts/tail.py).
 
 Asserted is only what noise cannot produce: streaming's tail is shorter than --no-stream's
 by at least half the predicted time of all layers but one. A loaded machine slows the
@@ -23,9 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from sglang_disagg.hosts import shaping
-from sglang_disagg.hosts.deployment import Deployment, Layout
-from sglang_disagg.hosts.tail import Geometry, Probe, transfer_ms
+from harness.hosts import shaping
+from harness.hosts.deployment import Deployment, Layout
+from harness.hosts.tail import Geometry, Probe, transfer_ms
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
 from single_request import prompt_of  # noqa: E402

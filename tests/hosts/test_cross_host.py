@@ -17,8 +17,8 @@ from __future__ import annotations
 import pytest
 
 from e2e.conftest import assert_same
-from sglang_disagg.hosts.deployment import Layout
-from sglang_disagg.hosts.tail import Geometry
+from harness.hosts.deployment import Layout
+from harness.hosts.tail import Geometry
 
 from . import exposure
 from .conftest import ask, deployment

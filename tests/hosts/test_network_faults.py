@@ -22,7 +22,7 @@ import time
 import pytest
 
 from e2e.faultlib import FAULT_DEADLINE_S, leaked_pages, row, wait_for
-from sglang_disagg.hosts import netns, shaping
+from harness.hosts import netns, shaping
 
 from .conftest import LONG_OUTPUT, OUTPUT_TOKENS
 from .netfaults import HEARTBEAT_S, LAYOUT, RATE_MBIT, TRANSFER_TIMEOUT_S, NetFaults

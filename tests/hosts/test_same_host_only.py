@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from harness.hosts import netns
 from sglang_disagg.backends.reach import NOT_HERE
-from sglang_disagg.hosts import netns
 
 from .conftest import deployment
 
