@@ -85,7 +85,8 @@ class TransferBackend(ABC):
         self._batches: dict[int, tuple[Peer, TransferFuture]] = {}
         self._batch_ids = itertools.count(1)
         self._tracker = ExpectTracker(f"{self.name}-expect")
-        self._table = PeerTable(self, self.config, self._lock, hello=self._hello, check=self._check_hello,
+        self._table = PeerTable(self.config, self._lock, hello=self._hello, check=self._check_hello,
+                                add_remote=self.add_remote_region,
                                 attach=self._native_connect, detach=self._detach_peer, credit=self._tracker.add)
         self._closed = False
         try:
@@ -221,7 +222,7 @@ class TransferBackend(ABC):
     def write(self, peer: Peer, writes: Iterable[PageWrite | tuple], imm: int) -> TransferFuture:
         """Post a batch of writes, each carrying immediate `imm`; the future completes when all did."""
         self._check_submit(peer, imm)
-        checked = [check_write(self, peer, w, i) for i, w in enumerate(writes)]
+        checked = [check_write(self._regions, peer.id, self.max_write_bytes, w, i) for i, w in enumerate(writes)]
         return self._submit(peer, len(checked), lambda bid: self._native_post(peer, bid, checked, imm))
 
     def write_uniform(self, peer: Peer, src: MemoryRegion, src_offsets: Sequence[int], dst: RemoteRegion,
@@ -230,7 +231,7 @@ class TransferBackend(ABC):
         `length` bytes from src+src_offsets[i] to dst+dst_offsets[i]. Bounds are checked on
         the whole lists at once, so Python costs far less per write than in write()."""
         self._check_submit(peer, imm)
-        check_uniform(self, peer, src, src_offsets, dst, dst_offsets, length)
+        check_uniform(self._regions, peer.id, self.max_write_bytes, src, src_offsets, dst, dst_offsets, length)
         return self._submit(peer, len(src_offsets), lambda bid: self._native_post_uniform(
             peer, bid, src, src_offsets, dst, dst_offsets, length, imm))
 

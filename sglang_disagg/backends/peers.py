@@ -2,8 +2,10 @@
 
 A PeerTable owns every control connection of one backend and the peers admitted on them.
 It talks to its backend only through what it is given at construction: the backend's
-HELLO, a check of the peer's, `attach`/`detach` (the backend's native per-peer state, and
-failing that peer's batches and expectations) and `credit` (NOTIFY arrivals).
+HELLO, a check of the peer's, `add_remote` (a peer's region descriptor read into a
+RemoteRegion), `attach`/`detach` (the backend's native per-peer state, and failing that
+peer's batches and expectations) and `credit` (NOTIFY arrivals); so it never needs the
+backend's class (base.py imports this module, not the other way round).
 
 After authentication (auth.py, in control.py) the handshake is one HELLO each way
 (messages.py); a mismatch is refused with a reason the dialer raises. A frame that fails a
@@ -21,7 +23,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import control
 from .config import BackendConfig
@@ -29,24 +31,24 @@ from .errors import DeadlineExceeded, PeerLostError, TransferError
 from .messages import parse_hello, parse_notify
 from .regions import PeerState, RemoteRegion
 
-if TYPE_CHECKING:
-    from .base import TransferBackend
+# A backend's reading of a peer's region descriptor (TransferBackend.add_remote_region).
+AddRemote = Callable[["Peer", bytes | str], RemoteRegion]
 
 
 class Peer:
     """A connected peer: its control connection and whatever the backend attached to it."""
 
-    def __init__(self, backend: TransferBackend, table: PeerTable, conn: control.ControlConn, instance: str,
+    def __init__(self, add_remote: AddRemote, table: PeerTable, conn: control.ControlConn, instance: str,
                  address: str, endpoint: dict[str, Any]) -> None:
         self.id = instance            # the peer backend's instance id (descriptor owner)
         self.address = address        # its control address
         self.endpoint = endpoint      # backend-specific connection info from its hello
         self.state = PeerState.CONNECTED
         self.native: Any = None       # backend's per-peer state (fi_addr, agent name, session)
-        self._backend, self._table, self._conn = backend, table, conn
+        self._add_remote, self._table, self._conn = add_remote, table, conn
 
     def add_remote_region(self, descriptor: bytes | str) -> RemoteRegion:
-        return self._backend.add_remote_region(self, descriptor)
+        return self._add_remote(self, descriptor)
 
     def send(self, data: bytes) -> None:
         """A small control message, delivered in order to the peer's `recv()`."""
@@ -65,13 +67,13 @@ class Peer:
 
 
 class PeerTable:
-    def __init__(self, backend: TransferBackend, config: BackendConfig, lock: threading.Lock, *,
-                 hello: Callable[[], dict[str, Any]], check: Callable[[dict[str, Any]], None],
+    def __init__(self, config: BackendConfig, lock: threading.Lock, *,
+                 hello: Callable[[], dict[str, Any]], check: Callable[[dict[str, Any]], None], add_remote: AddRemote,
                  attach: Callable[[Peer], None], detach: Callable[[Peer, PeerState, str], None],
                  credit: Callable[[int, int], None]) -> None:
         # `lock` is the backend's: a batch is submitted only while its peer is CONNECTED
         # under it, and drop() changes the state under it, so no batch escapes a loss.
-        self._backend, self._config, self._lock = backend, config, lock
+        self._config, self._lock, self._add_remote = config, lock, add_remote
         self._hello, self._check, self._attach, self._detach, self._credit = hello, check, attach, detach, credit
         self._conn_peer: dict[control.ControlConn, Peer] = {}
         self._handshakes: dict[control.ControlConn, queue.Queue] = {}
@@ -167,7 +169,7 @@ class PeerTable:
         if "error" in hello:
             raise TransferError(f"peer refused the connection: {hello['error']}")
         self._check(hello)
-        peer = Peer(self._backend, self, conn, hello["instance"], hello["address"], hello["endpoint"])
+        peer = Peer(self._add_remote, self, conn, hello["instance"], hello["address"], hello["endpoint"])
         self._attach(peer)
         conn.admitted()
         with self._lock:

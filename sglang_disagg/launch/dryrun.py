@@ -18,6 +18,7 @@ from pathlib import Path
 from sglang_disagg.launch.commands import ProcessSpec, router_spec, server_spec
 from sglang_disagg.launch.config import LaunchConfig, Mode, Role
 from sglang_disagg.launch.preflight import visible_gpus
+from sglang_disagg.launch.sharding import check_launch
 from sglang_disagg.models import is_builtin
 
 
@@ -71,9 +72,7 @@ def render(cfg: LaunchConfig) -> str:
     if cfg.role is not Role.ROUTER:
         model = _model_path(cfg)
         if not is_builtin(cfg.model) and Path(model).is_dir():
-            from sglang_disagg.launch.stack import _check_sharding
-
-            _check_sharding(cfg, Path(model))
+            check_launch(cfg, Path(model))
         roles = [Role.PREFILL, Role.DECODE] if cfg.role is Role.ALL else [cfg.role]
         specs = [server_spec(cfg, r, model, is_builtin(cfg.model), log_dir) for r in roles]
         if cfg.device == "cuda":

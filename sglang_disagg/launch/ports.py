@@ -8,12 +8,8 @@ transfer endpoint, a transfer library's own listeners), and the address each is 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import psutil
-
-if TYPE_CHECKING:
-    from sglang_disagg.launch.stack import Stack
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,13 +31,10 @@ def _tree(pid: int) -> set[int]:
         return set()
 
 
-def listening(stack: Stack) -> list[Listener]:
-    named = {port: what for what, port in stack.cfg.ports.all(stack.cfg.role, stack.cfg.mode).items()}
-    for role in ("prefill", "decode"):
-        address = (stack.messenger_stats(role) or {}).get("address", "")
-        if address and role == "decode":
-            named.setdefault(int(address.rsplit(":", 1)[1]), "decode messenger (transfer control, ephemeral)")
-    owner = {pid: p.spec.name for p in stack.processes if p.pid for pid in _tree(p.pid)}
+def listening(named: dict[int, str], processes: dict[int, str]) -> list[Listener]:
+    """What the process trees of `processes` (pid -> name) listen on; `named` says what the
+    ports we know are for (port -> purpose). Data in, not the Stack: stack.py calls this."""
+    owner = {pid: name for root, name in processes.items() for pid in _tree(root)}
     out = []
     for c in psutil.net_connections("inet"):
         if c.status == psutil.CONN_LISTEN and c.pid in owner:

@@ -1,5 +1,6 @@
 """Whether a model can be sharded by the TP sizes asked for, decided from its config.json
-before any server starts (pure: the config and the machine's core count come in).
+before any server starts (`check` is pure: the config and the machine's core count come in;
+`check_launch` reads them for a launch configuration, for the launcher and the dry run alike).
 
 SGLang shards attention by heads (QKVParallelLinear: query heads divide by TP; KV heads
 divide by TP, or TP by KV heads, which then replicates them) and the MLP by its
@@ -12,8 +13,13 @@ that would work.
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+from sglang_disagg.launch.config import LaunchConfig, Mode, Role
 
 MAX_TP = 16
 
@@ -94,3 +100,16 @@ def check(model: str, cfg: dict[str, Any], tps: dict[str, int], cpus: int | None
         if reason:
             raise ValueError(f"prefill TP {p} -> decode TP {d} cannot carry {model}'s KV "
                              f"({shape.describe()}): {reason}")
+
+
+def check_launch(cfg: LaunchConfig, model_path: Path) -> None:
+    """Refuse TP sizes the model at `model_path` cannot be sharded by, before any server starts."""
+    tps = {Role.ALL: {"--prefill-tp": cfg.prefill_tp, "--decode-tp": cfg.decode_tp},
+           Role.PREFILL: {"--prefill-tp": cfg.prefill_tp}, Role.DECODE: {"--decode-tp": cfg.decode_tp},
+           Role.COLOCATED: {"--prefill-tp": cfg.prefill_tp}}[cfg.role]
+    try:
+        model_cfg = json.loads((model_path / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # resolve_model_path checked it exists; SGLang reports a config it cannot read
+    cpus = len(os.sched_getaffinity(0)) if cfg.device == "cpu" else None
+    check(cfg.served_model_name, model_cfg, tps, cpus, cfg.mode is Mode.MESSENGER)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import tempfile
 import time
 from collections.abc import Callable
@@ -24,7 +23,7 @@ from sglang_disagg.launch.commands import launcher_registered_workers, router_sp
 from sglang_disagg.launch.config import LaunchConfig, Mode, Role
 from sglang_disagg.launch.preflight import check_cuda, check_patches_applied, check_ports_free
 from sglang_disagg.messenger.links import REFUSED_MARK
-from sglang_disagg.launch.ports import listening
+from sglang_disagg.launch.ports import Listener, listening
 from sglang_disagg.launch.secret import with_secret
 from sglang_disagg.launch import sharding
 from sglang_disagg.launch.process import ManagedProcess, StartupError, log_tail
@@ -57,7 +56,7 @@ class Stack:
         servers: list[ManagedProcess] = []
         if cfg.role is not Role.ROUTER:
             model_path = resolve_model_path(cfg.model)
-            _check_sharding(cfg, model_path)
+            sharding.check_launch(cfg, model_path)
             builtin = is_builtin(cfg.model)
             roles = [Role.PREFILL, Role.DECODE] if cfg.role is Role.ALL else [cfg.role]
             servers = [ManagedProcess(server_spec(cfg, r, str(model_path), builtin, log_dir), log_dir) for r in roles]
@@ -106,7 +105,7 @@ class Stack:
             self.stop()
             raise
         self.startup_s = time.monotonic() - t0
-        (self.log_dir / "ports.txt").write_text("".join(f"{x}\n" for x in listening(self)))
+        (self.log_dir / "ports.txt").write_text("".join(f"{x}\n" for x in self.listening()))
 
     def _phase(self, name: str) -> None:
         self.phases[name] = time.monotonic() - self._t0
@@ -210,6 +209,14 @@ class Stack:
         for p in reversed(self.processes):
             p.stop()
 
+    def listening(self) -> list[Listener]:
+        """Every socket this stack's processes listen on, each with what it is for."""
+        named = {port: what for what, port in self.cfg.ports.all(self.cfg.role, self.cfg.mode).items()}
+        address = (self.messenger_stats("decode") or {}).get("address", "")
+        if address:
+            named.setdefault(int(address.rsplit(":", 1)[1]), "decode messenger (transfer control, ephemeral)")
+        return listening(named, {p.pid: p.spec.name for p in self.processes if p.pid})
+
     def messenger_stats(self, role: str = "decode") -> dict | None:
         """The messenger's published counters for `role` (messenger mode), or None."""
         try:
@@ -226,16 +233,3 @@ class Stack:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def _check_sharding(cfg: LaunchConfig, model_path: Path) -> None:
-    """Refuse TP sizes the model cannot be sharded by, before any server starts."""
-    tps = {Role.ALL: {"--prefill-tp": cfg.prefill_tp, "--decode-tp": cfg.decode_tp},
-           Role.PREFILL: {"--prefill-tp": cfg.prefill_tp}, Role.DECODE: {"--decode-tp": cfg.decode_tp},
-           Role.COLOCATED: {"--prefill-tp": cfg.prefill_tp}}[cfg.role]
-    try:
-        model_cfg = json.loads((model_path / "config.json").read_text())
-    except (OSError, ValueError):
-        return  # resolve_model_path checked it exists; SGLang reports a config it cannot read
-    cpus = len(os.sched_getaffinity(0)) if cfg.device == "cpu" else None
-    sharding.check(cfg.served_model_name, model_cfg, tps, cpus, cfg.mode is Mode.MESSENGER)

@@ -273,7 +273,7 @@ class LibfabricBackend(Healing, TransferBackend):
         """Benchmark hook: post+poll `iters` batches entirely in C. Returns (total ns, per-batch ns)."""
         from ..validate import check_write
         self._check_open()
-        checked = [check_write(self, peer, w, i) for i, w in enumerate(writes)]
+        checked = [check_write(self._regions, peer.id, self.max_write_bytes, w, i) for i, w in enumerate(writes)]
         lat, err = ffi.new("int64_t[]", iters), _Errbuf()
         ns = lib.shim_bench(self._ep, peer.native, len(checked), *self._arrays(checked), imm, iters, lat, err.buf, 256)
         if ns < 0:
