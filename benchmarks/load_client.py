@@ -12,11 +12,12 @@ client's, greedy with ``ignore_eos`` so output lengths are exact.
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from sse import Comments, data_of
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class Result:
     output_ids: list[int] = field(default_factory=list)
     aborted: bool = False              # the client closed the connection on purpose
     end: float | None = None           # the stream ended (or was closed by the client)
+    comments: Comments = field(default_factory=Comments)  # SSE keep-alive comments skipped
 
     @property
     def ttft(self) -> float | None:
@@ -70,11 +72,10 @@ async def stream_generate(session, url: str, body: dict, t0: float, klass: str =
                 res.aborted, res.end = True, time.perf_counter() - t0
                 return res
             async for raw in r.content:
-                line = raw.strip()
-                if not line.startswith(b"data:") or line == b"data: [DONE]":
+                chunk = data_of(raw, res.comments)
+                if chunk is None:  # a keep-alive comment, a blank line, [DONE]
                     continue
                 now = time.perf_counter() - t0
-                chunk = json.loads(line[5:])
                 if "error" in chunk:
                     res.error = f"stream error: {str(chunk['error'])[:200]}"
                     break

@@ -38,6 +38,7 @@ from sglang_disagg.models import get_spec
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from single_request import prompt_of  # noqa: E402
+from sse import data_of  # noqa: E402
 
 ONE_STEP = ("--speculative-num-steps", "1", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "2")
 COMMON = ("--chunked-prefill-size", "64", "--dtype", "float32")
@@ -71,11 +72,10 @@ def stream(url: str, prompt: list[int], n: int) -> dict:
     meta: dict = {}
     with urllib.request.urlopen(req, timeout=300) as r:
         for raw in r:
-            line = raw.strip()
-            if not line.startswith(b"data:") or line == b"data: [DONE]":
+            chunk = data_of(raw)
+            if chunk is None:  # a keep-alive comment, a blank line, [DONE]
                 continue
             now = time.perf_counter()
-            chunk = json.loads(line[5:])
             meta = chunk["meta_info"]
             got = chunk.get("output_ids") or []
             ids = list(got) if len(got) == meta["completion_tokens"] else ids + list(got)

@@ -41,7 +41,9 @@ FIELDS = {"role": "role", "model_path": "model", "port": "port", "host": "host",
           "decode_tp": "decode_tp", "dtype": "dtype", "max_total_tokens": "max_total_tokens",
           "page_size": "page_size", "prefill_url": "prefill_urls", "decode_url": "decode_urls",
           "prefill_messenger": "prefill_messengers", "log_dir": "log_dir", "startup_timeout": "startup_timeout_s",
-          "transfer_timeout": "transfer_timeout_s", "link_recheck": "link_recheck_s", "drain_timeout": "drain_timeout_s", "pin_cores": "pin_cores", "stream": "stream", "decode_prefix_reuse": "reuse_prefix",
+          "transfer_timeout": "transfer_timeout_s", "link_recheck": "link_recheck_s",
+          "sse_keepalive_secs": "sse_keepalive_s", "drain_timeout": "drain_timeout_s", "pin_cores": "pin_cores",
+          "stream": "stream", "decode_prefix_reuse": "reuse_prefix",
           "secret_file": "secret_file", "attention_backend": "attention_backend",
           "enable_deterministic_inference": "deterministic", "gpus": "gpus", "prefill_gpus": "prefill_gpus",
           "decode_gpus": "decode_gpus", "shared_gpu_fraction": "shared_gpu_fraction"}
@@ -80,6 +82,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--link-recheck", type=float, default=1.0,
                     help="messenger: seconds a decoder keeps a prefill server whose last requests failed out "
                          "of use before trying it again (doubling while it keeps failing, up to 30)")
+    ap.add_argument("--sse-keepalive-secs", type=float, default=0.0, metavar="S",
+                    help="router: after S seconds without output on a stream, send an SSE comment line "
+                         "(': ping'), so an idle-timeout proxy in front keeps it open; 0 (default) sends none, "
+                         "as a plain SGLang server does: clients that parse every line as JSON (SGLang's "
+                         "bench_serving) fail on comments")
     ap.add_argument("--secret-file", default=None,
                     help="messenger: file holding the shared secret every prefill and decode server of the "
                          "deployment proves to its peers (default for --role all: a new one in the log dir; "

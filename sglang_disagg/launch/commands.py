@@ -325,6 +325,11 @@ def router_spec(cfg: LaunchConfig) -> ProcessSpec:
     # served by the retry, while one that ran past its transfer deadline on a slow link
     # fails after two deadlines instead of five.
     argv += ["--retry-max-retries", "2"]
+    # SSE keep-alives: smg's default (a comment after 15 s of silence) reaches any stream whose
+    # first token is slow (a long prompt, a queue) and breaks clients that read every line as
+    # JSON, SGLang's own bench_serving among them; a colocated server never sends one. Off
+    # unless asked for (a deployment behind an idle-timeout proxy sets it below that timeout).
+    argv += ["--sse-keepalive-secs", f"{cfg.sse_keepalive_s:g}"]
     # Pinned with the prefill server: a decode server's cores run decoding only, as on a
     # dedicated decode node, and the router's work lands where a prefill stall costs no ITL.
     return ProcessSpec("router", tuple(argv), _env(cfg, Role.ROUTER, 1), ports.front, _pinned(cfg, Role.PREFILL),

@@ -132,6 +132,10 @@ class LaunchConfig:
     drain_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may take to finish
     transfer_timeout_s: float = 60.0
     link_recheck_s: float = 1.0  # messenger: first wait before a failing prefill server is tried again
+    # router: seconds of upstream silence before smg puts an SSE comment (": ping") on a stream;
+    # 0 sends none, as a colocated SGLang server sends none (its own benchmark client reads
+    # every line as JSON and fails on one). Behind an idle-timeout proxy: set below its timeout.
+    sse_keepalive_s: float = 0.0
     stream: bool = True  # messenger: write each layer's pages as the prefill forward passes it
     reuse_prefix: bool = True  # messenger: decoders send only what their radix cache lacks
     secret_file: str | None = None  # messenger: the deployment's shared secret (None: --role all makes one)
@@ -152,6 +156,8 @@ class LaunchConfig:
                 raise ValueError(f"{name} must be >= 1, got {tp}")
             if self.device == "cpu" and tp > (os.cpu_count() or 1):
                 raise ValueError(f"{name} {tp} exceeds the {os.cpu_count()} CPU cores of this machine")
+        if not 0 <= self.sse_keepalive_s <= 86400:
+            raise ValueError(f"--sse-keepalive-secs {self.sse_keepalive_s:g}: must be 0 (none) to 86400 seconds")
         if self.max_total_tokens < 256:
             raise ValueError("--max-total-tokens must be >= 256")
         if self.page_size is not None and self.page_size < 1:

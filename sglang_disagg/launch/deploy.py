@@ -23,6 +23,7 @@ group), which prefill groups each decoder may use, and the router.
 
     [router]
     host = "10.0.0.9"
+    sse_keepalive_secs = 0        # SSE comments on silent streams: 0 none; behind a proxy, below its idle timeout
 
 ``python -m sglang_disagg.launch --config FILE --node NAME`` starts one group (or the
 router, ``--node router``) with flags given on the command line overriding the file;
@@ -64,6 +65,7 @@ class Deployment:
     model: str
     groups: tuple[Group, ...]
     router_host: str
+    router_sse_keepalive_s: float = 0.0  # [router] sse_keepalive_secs (LaunchConfig.sse_keepalive_s)
     mode: Mode = Mode.MESSENGER
     backend: str | None = None
     provider: str | None = None
@@ -103,7 +105,8 @@ class Deployment:
             decodes = tuple(f"http://{g.host}:{self.ports.decode}" for g in self.of(Role.DECODE))
             prefills = tuple(f"http://{g.host}:{self.ports.prefill}@{self.ports.bootstrap}"
                              for g in self.of(Role.PREFILL)) if self.mode is Mode.UPSTREAM else ()
-            kw = dict(role=Role.ROUTER, host=self.router_host, decode_urls=decodes, prefill_urls=prefills)
+            kw = dict(role=Role.ROUTER, host=self.router_host, decode_urls=decodes, prefill_urls=prefills,
+                      sse_keepalive_s=self.router_sse_keepalive_s)
         else:
             g = self.group(name)
             kw = dict(role=g.role, host=g.host, prefill_tp=g.tp, decode_tp=g.tp)
@@ -196,9 +199,10 @@ def parse(doc: dict) -> Deployment:
     router = doc.get("router", {})
     if not isinstance(router, dict):
         raise DeploymentError("[router]: expected a table")
-    _unknown("router", router, {"host"})
+    _unknown("router", router, {"host", "sse_keepalive_secs"})
+    keepalive = float(_typed("router.sse_keepalive_secs", router.get("sse_keepalive_secs", 0), (int, float)))
     dep = Deployment(groups=tuple(groups), router_host=_typed("router.host", router.get("host", "127.0.0.1"), str),
-                     **kw)
+                     router_sse_keepalive_s=keepalive, **kw)
     for name in [g.name for g in groups] + [ROUTER]:  # the launcher's own checks, field by field
         try:
             dep.launch_config(name)

@@ -39,7 +39,7 @@ def launcher_argv(cfg: LaunchConfig) -> list[str]:
                         ("--provider", "provider"), ("--device", "device"), ("--prefill-tp", "prefill_tp"),
                         ("--decode-tp", "decode_tp"), ("--dtype", "dtype"), ("--max-total-tokens", "max_total_tokens"),
                         ("--page-size", "page_size"), ("--transfer-timeout", "transfer_timeout_s"),
-                        ("--link-recheck", "link_recheck_s"),
+                        ("--link-recheck", "link_recheck_s"), ("--sse-keepalive-secs", "sse_keepalive_s"),
                         ("--startup-timeout", "startup_timeout_s"), ("--drain-timeout", "drain_timeout_s"),
                         ("--secret-file", "secret_file"), ("--attention-backend", "attention_backend"),
                         ("--gpus", "gpus"), ("--shared-gpu-fraction", "shared_gpu_fraction")):

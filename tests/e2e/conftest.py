@@ -77,6 +77,7 @@ class StackSpec:
     prefill_tp: int = 1
     decode_tp: int = 1
     env: tuple[tuple[str, str], ...] = field(default=())
+    extra_args: tuple[str, ...] = ()  # SGLang flags for every server, after COMMON_ARGS
 
     @property
     def label(self) -> str:
@@ -101,7 +102,8 @@ def start_stack(tmp_root: Path, spec: StackSpec, **kwargs) -> Stack:
     port = next_port()
     cfg = LaunchConfig(
         role=spec.role, model=spec.model, port=port, mode=spec.mode, backend=spec.backend, provider=spec.provider,
-        prefill_tp=spec.prefill_tp, decode_tp=spec.decode_tp, max_total_tokens=4096, extra_args=COMMON_ARGS,
+        prefill_tp=spec.prefill_tp, decode_tp=spec.decode_tp, max_total_tokens=4096,
+        extra_args=COMMON_ARGS + spec.extra_args,
         env=spec.env, log_dir=str(tmp_root / f"{spec.label}-{port}"), **kwargs,
     )
     stack = Stack.for_config(cfg)
