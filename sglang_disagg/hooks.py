@@ -1,66 +1,31 @@
-"""The only functions our SGLang patches call.
+"""The only module of ours that SGLang's patches call, and the only functions they call.
 
-Keeping the logic here, not inside SGLang, keeps each patch to a few lines that
-say *where* we hook in; *what* happens is ordinary, tested Python in this
-package. Every function is safe to call on GPU builds too (it decides itself
-whether it has anything to do).
+Each patch is a few lines that say *where* we hook in; *what* happens is ordinary, tested
+Python elsewhere in this package, which these functions only reach: the messenger
+(through the Protocol of messenger/contract.py), the CPU ops (cpu_ops, spec_ops), CPU
+speculation (spec_cpu), torch_native's attention (attention_native), the KV allocation
+policy (kvalloc), SGLang's NIXL connector on CPU (backends/nixl_connector) and the test
+faults and dumps (testsupport). Nothing those import comes back here: the messenger is
+given what it needs at construction. Every function is safe to call on GPU builds too (it
+decides itself whether it has anything to do). tests/unit/test_hooks_door.py checks that
+patches import nothing else of ours and call only functions defined here.
 """
 
 from __future__ import annotations
 
-import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-logger = logging.getLogger("sglang_disagg.hooks")
-
-_DEVICE_MEM = "VRAM"
-_HOST_MEM = "DRAM"
-
-
-def _to_host_kind(value: Any) -> Any:
-    return _HOST_MEM if isinstance(value, str) and value == _DEVICE_MEM else value
-
-
-class HostMemoryNixlAgent:
-    """A nixl_agent whose memory-type arguments say DRAM where SGLang says VRAM.
-
-    SGLang's NIXL connector hard-codes "VRAM" in some thirty places because on
-    GPU the KV cache is device memory. With ``--device cpu`` the same pages are
-    host memory, and UCX must be told so or it tries CUDA memory detection.
-    Translating at the agent boundary is one patch line instead of thirty.
-    """
-
-    def __init__(self, agent: Any) -> None:
-        self._agent = agent
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._agent, name)
-        if not callable(attr):
-            return attr
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            args = tuple(_to_host_kind(a) for a in args)
-            kwargs = {k: _to_host_kind(v) for k, v in kwargs.items()}
-            return attr(*args, **kwargs)
-
-        call.__name__ = name
-        return call
-
-
-# NIXL's Python agent hard-codes its progress thread's delay to 0 us: the thread
-# busy-polls a core. On CPU that core is the one the forward needs (upstream NIXL PD
-# measured 2.7x slower per request than Mooncake here); a short sleep between progress
-# rounds costs at most that much latency per completion.
-NIXL_PROGRESS_DELAY_US = int(os.environ.get("SGLANG_DISAGG_NIXL_PROGRESS_DELAY_US", "200"))
+if TYPE_CHECKING:
+    from sglang_disagg.messenger.contract import Messenger
 
 
 def nixl_agent_for_device(agent: Any, device: str) -> Any:
-    """The connector's nixl_agent, made by `agent()` (or given ready-made): on CPU its
-    progress thread sleeps between rounds and its registrations say DRAM, not VRAM."""
-    if callable(agent) and not hasattr(agent, "register_memory"):
-        agent = _make_nixl_agent(agent) if device == "cpu" else agent()
-    return HostMemoryNixlAgent(agent) if device == "cpu" else agent
+    """SGLang's NIXL connector makes its nixl_agent here (`agent()`, or given ready-made):
+    on CPU one that registers host memory and does not busy-poll (backends/nixl_connector.py)."""
+    from sglang_disagg.backends.nixl_connector import agent_for_device
+
+    return agent_for_device(agent, device)
 
 
 def client_abort_delay_s() -> float:
@@ -91,48 +56,79 @@ def subprocess_start_method(device: str) -> str:
     return method if device == "cpu" else "spawn"
 
 
-def _make_nixl_agent(make: Any) -> Any:
-    from sglang_disagg.backends.nixl import progress_delay
+def cpu_op(name: str) -> Any:
+    """sgl_kernel's CPU op `name` where sgl_kernel cannot provide it (the PyPI wheel is a
+    CUDA build): a native torch version (cpu_ops.py, spec_ops.py), or one that raises
+    NotImplementedError naming the op when called."""
+    from sglang_disagg import cpu_ops
 
-    with progress_delay(NIXL_PROGRESS_DELAY_US):
-        return make()
+    return getattr(cpu_ops, name)
 
 
-# --- Fault injection -------------------------------------------------------
-# SGLANG_DISAGG_FAULT=drop_kv makes a decode server forget the KV it just
-# received (zeroes the request's pages before its first decode step). It exists
-# for one purpose: the negative control of the equivalence tests, proving that
-# a decoder which did not get the prefill's KV produces different tokens, i.e.
-# that the token comparison can fail.
-FAULT_ENV = "SGLANG_DISAGG_FAULT"
-_KV_DUMP = "SGLANG_DISAGG_KV_DUMP"  # kvdump.ENV, without importing it on every forward
+def draft_extend_backend(draft_model_runner: Any) -> Any:
+    """torch_native's entry in SGLang's draft-extend backend map (spec_cpu.py)."""
+    from sglang_disagg import spec_cpu
+
+    return spec_cpu.draft_extend_backend(draft_model_runner)
+
+
+def extend_view(forward_batch: Any) -> Any:
+    """The batch torch_native's extend reads: a verify forward with its lengths (spec_cpu.py)."""
+    from sglang_disagg import spec_cpu
+
+    return spec_cpu.extend_view(forward_batch)
+
+
+def attention_page_tables(pool: Any, req_to_token: Any, forward_batch: Any) -> Any:
+    """torch_native, once per forward: each request's pages when the pool is HND, else None
+    (attention_native.py)."""
+    from sglang_disagg import attention_native
+
+    return attention_native.page_tables(pool, req_to_token, forward_batch)
+
+
+def attention_gather(cache: Any, slots: Any, page_tables: Any, seq_idx: int) -> Any:
+    """torch_native: K or V of request `seq_idx`'s `slots` as [heads, tokens, dim], from an
+    NHD or HND pool (attention_native.py)."""
+    from sglang_disagg import attention_native
+
+    pages = page_tables[seq_idx] if page_tables is not None else None
+    return attention_native.gather_heads_first(cache, slots, pages)
+
+
+def attention_new_rows(out: Any, query: Any, key: Any, value: Any, prefix_len: Any, *, causal: bool,
+                       enable_gqa: bool, scale: Any) -> bool:
+    """torch_native's extend of one request after a cached prefix: attend with the new rows
+    only, into `out`; False when the original path must run (attention_native.py)."""
+    from sglang_disagg import attention_native
+
+    return attention_native.attend_new_rows(out, query, key, value, prefix_len, causal=causal,
+                                            enable_gqa=enable_gqa, scale=scale)
 
 
 def after_kv_received(scheduler: Any, req: Any) -> None:
-    """Decode side: the transfer of ``req``'s prompt KV has completed."""
-    if os.environ.get(FAULT_ENV, "") != "drop_kv":
-        return
-    kv = scheduler.token_to_kv_pool_allocator.get_kvcache()
-    locs = scheduler.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : len(req.origin_input_ids)]
-    for layer in range(kv.start_layer, kv.start_layer + kv.layer_num):
-        kv.get_key_buffer(layer)[locs] = 0
-        kv.get_value_buffer(layer)[locs] = 0
+    """Decode side of SGLang's own disaggregation: the transfer of ``req``'s prompt KV has
+    completed (only the drop_kv test fault acts here: testsupport.py)."""
+    from sglang_disagg import testsupport
+
+    testsupport.drop_kv(scheduler, req)
 
 
 # --- The messenger mode ----------------------------------------------------------------
 # Active only when the launcher put a MessengerConfig in the environment
 # (SGLANG_DISAGG_MESSENGER); otherwise every hook below returns at once and SGLang runs
-# unchanged. One messenger per scheduler process (TP rank).
-_messenger: Any = None
+# unchanged. One messenger per scheduler process (TP rank); what it must implement, and
+# when each method is called, is messenger/contract.py.
+_messenger: Messenger | None = None
 _waiter: Any = None
 _counter: Any = None  # the prefill leader's LayerCounter, made at model load (before graph capture)
 
 
-def messenger() -> Any:
+def messenger() -> Messenger | None:
     return _messenger
 
 
-def device_name(model_runner: Any) -> str:
+def _device_name(model_runner: Any) -> str:
     """'cpu' or 'cuda:N' for the device a model runner computes on."""
     device = str(model_runner.device)
     return f"{device}:{model_runner.gpu_id}" if device == "cuda" else device
@@ -161,30 +157,14 @@ def model_loaded(model_runner: Any) -> None:
     from sglang_disagg.devices import for_device
     from sglang_disagg.messenger.layers import LayerCounter
 
-    _counter = LayerCounter(model_runner.model, for_device(device_name(model_runner)).layer_word())
-
-
-def layer_counter() -> Any:
-    return _counter
+    _counter = LayerCounter(model_runner.model, for_device(_device_name(model_runner)).layer_word())
 
 
 def kv_zeros(shape: Any, dtype: Any, device: Any) -> Any:
-    """The KV pool's buffers: in messenger mode, memory the server's messenger (TP rank 0)
-    and same-host peers can map - on CPU zeroed shared memory (a memfd, shm.py), on GPU
-    cuMem allocations exportable as file descriptors (cumem.py); plain torch.zeros otherwise."""
-    import torch
+    """The KV pool's buffers, zeroed: shared memory in messenger mode (kvalloc.py)."""
+    from sglang_disagg.kvalloc import kv_zeros as zeros
 
-    from sglang_disagg.messenger.config import ENV
-
-    if str(device) == "cpu" and os.environ.get(ENV):
-        from sglang_disagg.shm import shared_zeros
-
-        return shared_zeros(tuple(shape), dtype)
-    if str(device).startswith("cuda") and os.environ.get(ENV):
-        from sglang_disagg.cumem import exportable_zeros
-
-        return exportable_zeros(tuple(shape), dtype, device)
-    return torch.zeros(shape, dtype=dtype, device=device)
+    return zeros(shape, dtype, device)
 
 
 def scheduler_ready(scheduler: Any) -> None:
@@ -197,19 +177,26 @@ def scheduler_ready(scheduler: Any) -> None:
         return
     from sglang.utils import TypeBasedDispatcher
 
+    from sglang_disagg.messenger.contract import Messenger
     from sglang_disagg.messenger.inputs import MessengerInput
 
     if cfg.role is MessengerRole.PREFILL:
-        from sglang_disagg.messenger.prefill import PrefillMessenger as cls
+        from sglang_disagg.messenger.prefill import PrefillMessenger
+
+        side: Any = PrefillMessenger(cfg, scheduler, _device_name(scheduler.tp_worker.model_runner), _counter)
     else:
-        from sglang_disagg.messenger.decode import DecodeMessenger as cls
-    _messenger = cls(cfg, scheduler)
+        from sglang_disagg.messenger.decode import DecodeMessenger
+
+        side = DecodeMessenger(cfg, scheduler)
+    if not isinstance(side, Messenger):
+        raise TypeError(f"{type(side).__name__} does not implement messenger.contract.Messenger")
+    _messenger = side
     # Leader decisions arrive on every rank through SGLang's request broadcast.
-    scheduler._request_dispatcher += TypeBasedDispatcher([(MessengerInput, _messenger.apply)])
-    if _messenger.ranks.is_leader:
+    scheduler._request_dispatcher += TypeBasedDispatcher([(MessengerInput, side.apply)])
+    fd = side.wakeup_fd()
+    if fd is not None:  # the leader
         import zmq
 
-        fd = _messenger.node.wakeup.fd
         if scheduler.idle_sleeper is not None:  # --sleep-on-idle: wake on messenger events too
             scheduler.idle_sleeper.poller.register(fd, zmq.POLLIN)
         _waiter = zmq.Poller()
@@ -264,7 +251,7 @@ def wait_while_busy(scheduler: Any) -> None:
     needs the scheduler (never spin: on a small machine that starves the peer server)."""
     if _messenger is None or _waiter is None or _messenger.has_leader_work():
         return
-    _waiter.poll(50 if _messenger.ranks.size == 1 else 2)
+    _waiter.poll(_messenger.idle_poll_ms())
 
 
 def before_forward(scheduler: Any, batch: Any) -> None:
@@ -276,30 +263,27 @@ def before_forward(scheduler: Any, batch: Any) -> None:
 
 def after_forward(scheduler: Any, batch: Any) -> None:
     """A forward finished (before its results are processed): prefill writes the KV pages
-    it completed."""
+    it completed (and a test's KV dump is written: testsupport.py)."""
     if _messenger is not None and batch.forward_mode.is_extend():
         _messenger.after_forward(batch)
-    if _KV_DUMP in os.environ:
-        from sglang_disagg import kvdump
+    from sglang_disagg import testsupport
 
-        kvdump.after_forward(scheduler, batch)
+    testsupport.dump_kv(scheduler, batch)
 
 
 def spec_verified(scheduler: Any, req: Any, num_correct_drafts: int) -> None:
     """A speculative verify step of `req` settled, accepting `num_correct_drafts` draft
-    tokens (recorded only for the test dumps)."""
-    if _KV_DUMP in os.environ:
-        from sglang_disagg import kvdump
+    tokens (recorded only for the test dumps: testsupport.py)."""
+    from sglang_disagg import testsupport
 
-        kvdump.verified(scheduler, req, num_correct_drafts)
+    testsupport.dump_verified(scheduler, req, num_correct_drafts)
 
 
 def draft_tail_tokens(batch: Any, tail_tokens: Any) -> Any:
     """SGLang's draft extend over a prefill batch reads, after each request's last
     position, `tail_tokens` (the sampled token); a messenger order's is the prompt's last
     token instead (prefill never samples, and the decoder runs that token itself)."""
-    fn = getattr(_messenger, "draft_tail_tokens", None)
-    return tail_tokens if fn is None else fn(batch, tail_tokens)
+    return tail_tokens if _messenger is None else _messenger.draft_tail_tokens(batch, tail_tokens)
 
 
 def hold_release(req: Any, checkpoint: bool) -> bool:

@@ -8,8 +8,9 @@ tree is a chain, and so verification is an ordinary causal extend of the draft t
 after the verified prefix: only its lengths are missing, and they are given here. A
 wider tree would need the tree mask torch_native cannot apply: refused at start-up.
 
-Called from two patches (draft_utils: the backend map entry; torch_native_backend:
-the verify lengths). The index kernels the workers call are in ``spec_ops``.
+Reached through ``hooks`` from two patches (draft_utils: the backend map entry;
+torch_native_backend: the verify lengths, also read by ``attention_native.page_tables``).
+The index kernels the workers call are in ``spec_ops``.
 """
 
 from __future__ import annotations

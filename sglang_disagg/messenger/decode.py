@@ -2,7 +2,8 @@
 this decoder allocated; the request then runs its last prompt token as an ordinary
 one-token extend (which samples the first output token, grammar included).
 
-Scheduler-side contract (hooks.py calls these on every TP rank, in the scheduler thread):
+Scheduler-side contract (messenger/contract.py; hooks.py calls these on every TP rank, in the
+scheduler thread):
   take(req)            a new request; True when the messenger owns it from now on
   apply(Route)         a leader decision, arriving through SGLang's request broadcast
   leader_inputs()      (leader) decisions to inject into the next broadcast
@@ -407,6 +408,11 @@ class DecodeMessenger:
     def hold_release(self, req: Any, checkpoint: bool) -> bool:
         return False
 
+    @staticmethod
+    def draft_tail_tokens(batch: Any, tail: Any) -> Any:
+        """A decoder's draft extends follow its own sampling: SGLang's tokens stand."""
+        return tail
+
     def idle(self) -> bool:
         # Quarantined pages keep the scheduler from being idle although they wait on a prefill
         # server's answer, not on a step (wait_while_busy sleeps until a message wakes us): an
@@ -418,6 +424,12 @@ class DecodeMessenger:
     def has_leader_work(self) -> bool:
         return any(e.phase is Phase.ROUTE and not e.routed for e in self.entries.values()) and \
             self.links.choose() is not None
+
+    def wakeup_fd(self) -> int | None:
+        return self.node.wakeup_fd()
+
+    def idle_poll_ms(self) -> int:
+        return self.node.idle_poll_ms()
 
     def close(self) -> None:
         if self.links is not None:

@@ -2,7 +2,7 @@
 
 ``SGLANG_DISAGG_FAULT=zero_kv:pages=SEL,layers=SEL[,kinds=k|v|kv]`` makes a decoder zero
 part of the KV it received, right before the request is handed to the batch (prefill
-servers ignore it; ``drop_kv`` is the upstream mode's variant, see hooks.py). SEL is
+servers ignore it; ``drop_kv`` is the upstream mode's variant, see testsupport.py). SEL is
 ``all``, ``first``, ``last``, ``first:N``, ``last:N`` or an index. Several specs joined by
 ``|`` apply in turn, one per carried request (request i gets spec i mod n), so one
 server can exercise several partial losses. A test that still sees the colocated tokens under such a fault has

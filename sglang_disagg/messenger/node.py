@@ -168,6 +168,15 @@ class Node:
             return wire.Refuse(prefill=str(obj.get("prefill", "?"))[:200], reason=obj["reason"][:2000])
         return None
 
+    def wakeup_fd(self) -> int | None:
+        """What the leader's scheduler polls for messenger events; None on other ranks."""
+        return self.wakeup.fd if self.ranks.is_leader else None
+
+    def idle_poll_ms(self) -> int:
+        # Writes completing on other TP ranks do not wake the leader (step() counts them
+        # through agree()), so with TP > 1 it looks again soon.
+        return 50 if self.ranks.size == 1 else 2
+
     def describe(self, scheduler: Any) -> dict:
         grammar = getattr(scheduler.grammar_manager, "grammar_backend", None)
         return {"role": self.cfg.role.value, "name": self.name, "backend": self.backend.name,

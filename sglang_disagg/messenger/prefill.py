@@ -2,7 +2,8 @@
 (so the batch never samples), and each chunk's pages are written into the decoder's
 pages, with the order's immediate, as soon as that chunk's forward ends.
 
-Scheduler-side contract (hooks.py calls these on every TP rank, in the scheduler thread):
+Scheduler-side contract (messenger/contract.py; hooks.py calls these on every TP rank, in the
+scheduler thread):
   leader_inputs()        (leader) decoders' Hello/orders/cancels, injected into the broadcast
   apply(input)           DecoderJoined / OrderTicket / CancelTicket, the same on every rank
   take(req)              a request reaching the queue: orders pass, anything else is refused
@@ -35,7 +36,6 @@ import time
 from array import array
 from typing import Any
 
-from .. import hooks
 from ..backends import PeerState, TransferError
 from ..devices import for_device
 from . import wire
@@ -44,6 +44,7 @@ from .inputs import CancelTicket, DecoderJoined, MessengerInput, OrderTicket
 from .intake import Intake
 from .faults import ENV as FAULT_ENV
 from .kvpool import post
+from .layers import LayerCounter
 from .node import Node
 from .metrics import Cause, scheduler_state
 from .orders import DecoderLink, Record
@@ -56,7 +57,9 @@ TRACE = os.environ.get("SGLANG_DISAGG_TRACE") == "1"  # one timing line per orde
 
 
 class PrefillMessenger:
-    def __init__(self, cfg: MessengerConfig, scheduler: Any) -> None:
+    def __init__(self, cfg: MessengerConfig, scheduler: Any, device: str, counter: LayerCounter | None) -> None:
+        """`device`: 'cpu' or 'cuda:N', where the forward runs; `counter`: the layer counter
+        put on the model at load (hooks.model_loaded), needed by a streaming leader."""
         self.cfg, self.sched = cfg, scheduler
         self.node = Node(cfg, scheduler)
         self.ranks, self.backend = self.node.ranks, self.node.backend
@@ -73,10 +76,8 @@ class PrefillMessenger:
         # Test-only: every write into a decoder fails at posting, as when a decoder's region
         # descriptor names memory this server cannot map (issue 19).
         self._fail_writes = os.environ.get(FAULT_ENV) == "fail_writes"
-        runner = scheduler.tp_worker.model_runner
-        self.fence = for_device(hooks.device_name(runner)).fence()  # the forward's end, in stream order
+        self.fence = for_device(device).fence()  # the forward's end, in stream order
         if cfg.stream and self.ranks.is_leader:
-            counter = hooks.layer_counter()
             if counter is None:
                 raise RuntimeError("messenger: streaming is on but the model has no layer counter: "
                                    "sglang_disagg.hooks.model_loaded did not run (SGLang patch missing?)")
@@ -390,6 +391,12 @@ class PrefillMessenger:
 
     def has_leader_work(self) -> bool:
         return self.intake is not None and self.intake.pending()
+
+    def wakeup_fd(self) -> int | None:
+        return self.node.wakeup_fd()
+
+    def idle_poll_ms(self) -> int:
+        return self.node.idle_poll_ms()
 
     def close(self) -> None:
         if self.streamer is not None:

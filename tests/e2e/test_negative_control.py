@@ -5,7 +5,7 @@ Messenger mode: the decoder zeroes part of what it received (one layer; the last
 pages; one page), right before the request enters the batch
 (SGLANG_DISAGG_FAULT=zero_kv:..., see sglang_disagg/messenger/faults.py): partial-transfer
 bugs of that size must be caught, not only a total loss. Upstream mode: the decoder drops all received KV
-(SGLANG_DISAGG_FAULT=drop_kv, sglang_disagg.hooks.after_kv_received).
+(SGLANG_DISAGG_FAULT=drop_kv, sglang_disagg.testsupport.drop_kv).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from sglang_disagg.hooks import FAULT_ENV
+from sglang_disagg.testsupport import FAULT_ENV
 from sglang_disagg.launch import Mode
 
 from sglang_disagg.launch.client import generate_ids

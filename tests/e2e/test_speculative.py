@@ -32,7 +32,7 @@ from sglang_disagg.messenger.faults import ENV as FAULT_ENV
 from sglang_disagg.messenger.links import REFUSED_MARK
 from sglang_disagg.messenger.planner import pages_for
 from sglang_disagg.models import get_spec
-from sglang_disagg.kvdump import ENV as DUMP_ENV
+from sglang_disagg.testsupport import DUMP_ENV
 
 from .conftest import COMMON_ARGS, OUTPUT_TOKENS, next_port, prompts_for
 from .faultlib import (FAULT_DEADLINE_S, Call, first_contact, long_prompt, scrape, total, value, wait_for,

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from sglang_disagg.hooks import FAULT_ENV
+from sglang_disagg.testsupport import FAULT_ENV
 from sglang_disagg.launch.client import generate_ids
 from sglang_disagg.messenger.planner import pages_for
 

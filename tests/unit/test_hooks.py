@@ -1,10 +1,12 @@
-"""Hooks our SGLang patches call."""
+"""Hooks our SGLang patches call (the door itself: test_hooks_door.py)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
-from sglang_disagg.hooks import SUBPROCESS_START_ENV, nixl_agent_for_device, subprocess_start_method
+from sglang_disagg import cpu_ops, shm, spec_ops
+from sglang_disagg.hooks import SUBPROCESS_START_ENV, cpu_op, kv_zeros, nixl_agent_for_device, subprocess_start_method
 from sglang_disagg.launch import Role
 from sglang_disagg.launch.__main__ import parse
 from sglang_disagg.launch.commands import server_spec
@@ -37,6 +39,26 @@ def test_nixl_agent_on_cpu_registers_dram():
 def test_nixl_agent_on_gpu_is_untouched():
     agent = RecordingAgent()
     assert nixl_agent_for_device(agent, "cuda") is agent
+
+
+def test_cpu_ops_come_through_hooks():
+    assert cpu_op("assign_req_to_token_pool_cpu") is cpu_ops.assign_req_to_token_pool_cpu
+    assert cpu_op("verify_tree_greedy_cpu") is spec_ops.verify_tree_greedy_cpu
+    with pytest.raises(NotImplementedError, match="rotate_input_ids_cpu"):
+        cpu_op("rotate_input_ids_cpu")()  # known at import, refused when called
+
+
+def test_kv_pool_is_shared_memory_in_messenger_mode_only(monkeypatch):
+    from sglang_disagg.messenger.config import ENV
+
+    monkeypatch.delenv(ENV, raising=False)
+    plain = kv_zeros((4, 1024), torch.float32, "cpu")
+    with pytest.raises(shm.SharedMemoryError):
+        shm.locate(plain.data_ptr(), plain.nbytes)
+    monkeypatch.setenv(ENV, "{}")
+    shared = kv_zeros((4, 1024), torch.float32, "cpu")
+    assert shared.shape == (4, 1024) and shared.dtype == torch.float32 and not shared.any()
+    assert "sglang-disagg-kv" in shm.locate(shared.data_ptr(), shared.nbytes).target
 
 
 def test_servers_fork_their_subprocesses_on_cpu_only(monkeypatch):
