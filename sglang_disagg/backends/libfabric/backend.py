@@ -254,7 +254,7 @@ class LibfabricBackend(Healing, TransferBackend):
             self._on_stuck(ep, str(err))
             raise EndpointStuck(f"libfabric post: {err}")
         if ret == -errno.ECONNRESET and peer.state is PeerState.CONNECTED:  # the provider saw it go
-            self._lose_peer(peer, f"its process exited ({err})")
+            self._lose_peer(peer, f"the transport reset its connection ({err})")
             raise PeerLostError(f"libfabric post to {peer.address}: {err}")
         if ret:
             if peer.state is not PeerState.CONNECTED:
