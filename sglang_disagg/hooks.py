@@ -237,6 +237,14 @@ def prefix_tree(req: Any, tree_cache: Any) -> Any:
     return _messenger.prefix_tree(req, tree_cache)
 
 
+def rows_held(scheduler: Any, reqs: Any) -> int:
+    """How many of the waiting `reqs` already hold their req_to_token row: SGLang's admission
+    checks count free rows (and rows of requests already admitted to the batch), so a
+    decoder whose rows all went to handed-off requests (each takes its row with its pages)
+    would never admit one of them."""
+    return 0 if _messenger is None else _messenger.rows_held(reqs)
+
+
 def abort(scheduler: Any, recv_req: Any) -> None:
     if _messenger is not None:
         _messenger.abort(recv_req)

@@ -28,6 +28,10 @@ take(req)             every              a new request about to enter the waitin
                                          owns it from now on
 prefix_tree(req, t)   every              a waiting request is matched against the radix
                                          tree `t`; None when its prompt KV is in its row
+rows_held(reqs)       every              get_new_batch_prefill checks room for waiting
+                                         requests: how many of `reqs` already hold their
+                                         req_to_token row (decode: handed-off requests),
+                                         which need no free row
 abort(recv_req)       every              top of the scheduler's abort_request
 before_forward(b)     every              an extend forward is about to run
 after_forward(b)      every              that forward was issued, before its results are
@@ -70,6 +74,8 @@ class Messenger(Protocol):
     def take(self, req: Any) -> bool: ...
 
     def prefix_tree(self, req: Any, tree: Any) -> Any: ...
+
+    def rows_held(self, reqs: Any) -> int: ...
 
     def abort(self, recv_req: Any) -> None: ...
 

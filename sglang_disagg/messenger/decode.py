@@ -385,6 +385,12 @@ class DecodeMessenger:
     def prefix_tree(req: Any, tree: Any) -> Any:
         return None if getattr(req, HANDOFF_ATTR, None) and req.kv.holds_kv else tree
 
+    @staticmethod
+    def rows_held(reqs: Any) -> int:
+        """Handed-off requests waiting to run already hold their req_to_token row (taken
+        with their pages): admitting them needs no free row."""
+        return sum(1 for r in reqs if getattr(r, HANDOFF_ATTR, None) and r.kv.holds_kv)
+
     def before_forward(self, batch: Any) -> None:
         """Nothing to send from a decoder."""
 
