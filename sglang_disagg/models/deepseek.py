@@ -36,12 +36,13 @@ NEXTN layer has those layers write to the residual stream at gain ``_EARLY`` = 0
 against the target's next one, every position of greedy continuations of unseen random
 prompts) is about 0.48 (the unit test holds it above 0.4); with the hidden state withheld
 it is the same: the hidden-state half of ``eh_proj`` is zero. Measured trade-off (seed 99,
-1504 positions): gain 0.3 -> 0.18, 0.1 -> 0.48, 0.05 -> 0.61, no layers below -> 0.78.
+1504 positions): gain 0.3 -> 0.18, 0.1 -> 0.48, 0.05 -> 0.61; without the layers below
+and the perturbation 0.81 (the draft's context lacks the first token).
 Training as ``models.eagle`` does was tried and is not used: Adam on the target's greedy
 continuations (the whole layer, its ``eh_proj`` or the hidden-state half alone, regressing
 the next hidden state, with or without cross-entropy) or a ridge fit of ``eh_proj`` to the
-last layer's input reached 0.55-0.75 on its training prompts and never more than the
-untrained layer on unseen ones (one layer cannot learn a three-layer random target from
+last layer's input reached 0.52-0.75 on its training prompts and never more than the
+untrained layer (+0.01 at best) on unseen ones (one layer cannot learn a three-layer random target from
 the data a generator affords in seconds). So the weights are seeded draws like every other
 built-in: byte-identical on every node, generated in about a second.
 """
