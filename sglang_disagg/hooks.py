@@ -300,3 +300,23 @@ def hold_release(req: Any, checkpoint: bool) -> bool:
     if _messenger is None:
         return False
     return _messenger.hold_release(req, checkpoint)
+
+
+# --- DeepSeek on CPU (deepseek_cpu) ----------------------------------------------------------
+
+
+def mla_forward_method(attn: Any, forward_batch: Any) -> Any:
+    """torch_native's handler in SGLang's AttentionBackendRegistry: how a DeepSeek attention
+    layer computes this forward; always the absorbed MLA path."""
+    from sglang_disagg import deepseek_cpu
+
+    return deepseek_cpu.forward_method(attn, forward_batch)
+
+
+def eager_on_cpu(fn: Any, is_cpu: bool) -> Any:
+    """A torch.compile'd MoE routing function of SGLang (at import): the function itself on
+    CPU, where compiling it made a fresh machine's first request take 24 s; unchanged
+    elsewhere."""
+    from sglang_disagg import deepseek_cpu
+
+    return deepseek_cpu.eager_on_cpu(fn, is_cpu)

@@ -33,6 +33,10 @@ def _tensor(spec: ModelSpec, name: str, shape: tuple[int, ...], std: float) -> n
 
 
 def _weights(spec: ModelSpec) -> dict[str, np.ndarray]:
+    if spec.mla is not None:
+        from sglang_disagg.models import deepseek
+
+        return deepseek.weights(spec, lambda name, shape, std: _tensor(spec, name, shape, std))
     if spec.architecture is Architecture.LLAMA_EAGLE:
         from sglang_disagg.models.eagle import train_eagle
 
@@ -84,6 +88,10 @@ def _perturbed(spec: ModelSpec) -> dict[str, np.ndarray]:
 
 
 def _config(spec: ModelSpec) -> dict:
+    if spec.mla is not None:
+        from sglang_disagg.models import deepseek
+
+        return deepseek.config(spec)
     cfg = {
         "architectures": [spec.architecture.value],
         "model_type": {Architecture.LLAMA: "llama", Architecture.QWEN2: "qwen2",
@@ -108,6 +116,12 @@ def _config(spec: ModelSpec) -> dict:
         "sglang_disagg_builtin": {"name": spec.name, "digest": spec.digest},
     }
     return cfg
+
+
+def write_model(spec: ModelSpec, out: Path) -> None:
+    """Generate `spec` into the new directory `out` (ensure_model does this for the built-in
+    models into the cache; tests use it for shapes that are not built in)."""
+    _generate(spec, out)
 
 
 def _generate(spec: ModelSpec, out: Path) -> None:
