@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sglang_disagg.hooks import SUBPROCESS_START_ENV
+from sglang_disagg.env import SUBPROCESS_START_ENV
 from sglang_disagg.launch import LaunchConfig, Mode, Role
 
 

@@ -25,6 +25,11 @@ def models_dir() -> Path:
     return cache_dir() / "models"
 
 
+# How a server starts its scheduler and detokenizer processes: "spawn" (SGLang's way) or
+# "fork" (what the launcher asks of CPU servers; hooks.subprocess_start_method reads it).
+SUBPROCESS_START_ENV = "SGLANG_DISAGG_SUBPROCESS_START"
+
+
 # Environment every SGLang process started by us gets on CPU. The reasons:
 # - SGLANG_USE_CPU_ENGINE: without it rotary embeddings import vLLM.
 # - SGLANG_HOST_IP: bootstrap addresses must be loopback, not the VM's eth0.

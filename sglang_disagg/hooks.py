@@ -39,9 +39,6 @@ def client_abort_delay_s() -> float:
         return 2.0
 
 
-SUBPROCESS_START_ENV = "SGLANG_DISAGG_SUBPROCESS_START"
-
-
 def subprocess_start_method(device: str) -> str:
     """How a server starts its scheduler and detokenizer processes (upstream: always spawn).
     Spawned, each re-imports torch and SGLang (~10 s of CPU apiece here); forked from the
@@ -50,6 +47,8 @@ def subprocess_start_method(device: str) -> str:
     OpenBLAS, numpy's one native thread pool, is fork-safe). SGLang alone keeps spawning; the
     launcher asks CPU servers to fork (launch/commands.py) unless the user's environment
     says spawn."""
+    from sglang_disagg.env import SUBPROCESS_START_ENV
+
     method = os.environ.get(SUBPROCESS_START_ENV, "spawn")
     if method not in ("spawn", "fork"):
         raise ValueError(f"{SUBPROCESS_START_ENV}={method!r}: write spawn or fork")
@@ -122,10 +121,6 @@ def after_kv_received(scheduler: Any, req: Any) -> None:
 _messenger: Messenger | None = None
 _waiter: Any = None
 _counter: Any = None  # the prefill leader's LayerCounter, made at model load (before graph capture)
-
-
-def messenger() -> Messenger | None:
-    return _messenger
 
 
 def _device_name(model_runner: Any) -> str:

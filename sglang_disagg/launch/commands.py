@@ -49,8 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sglang_disagg.backends.auth import SECRET_FILE_ENV
-from sglang_disagg.env import CPU_SERVER_ENV
-from sglang_disagg.hooks import SUBPROCESS_START_ENV
+from sglang_disagg.env import CPU_SERVER_ENV, SUBPROCESS_START_ENV
 from sglang_disagg.launch import gpu
 from sglang_disagg.launch.config import LaunchConfig, Mode, Role
 from sglang_disagg.messenger.config import ENV as MESSENGER_ENV

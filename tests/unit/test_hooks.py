@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from sglang_disagg import cpu_ops, shm, spec_ops
-from sglang_disagg.hooks import SUBPROCESS_START_ENV, cpu_op, kv_zeros, nixl_agent_for_device, subprocess_start_method
+from sglang_disagg.env import SUBPROCESS_START_ENV
+from sglang_disagg.hooks import cpu_op, kv_zeros, nixl_agent_for_device, subprocess_start_method
 from sglang_disagg.launch import Role
 from sglang_disagg.launch.__main__ import parse
 from sglang_disagg.launch.commands import server_spec
