@@ -54,7 +54,7 @@ from typing import Callable
 
 import numpy as np
 
-from sglang_disagg.models.specs import Architecture, ModelSpec
+from sglang_disagg.models.specs import Architecture, ModelSpec, checkpoint_tail
 
 _LOGIT_SCALE = 4.0  # as models.generate: std of the lm_head output for unit-RMS hidden states
 _EPS = 1e-6
@@ -171,13 +171,7 @@ def config(spec: ModelSpec) -> dict:
         "rope_scaling": {"type": "yarn", "rope_type": "yarn", "factor": 1.0,
                          "original_max_position_embeddings": spec.max_position_embeddings,
                          "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
-        "attention_bias": False,
-        "tie_word_embeddings": False,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "pad_token_id": 3,
-        "torch_dtype": "float32",
-        "sglang_disagg_builtin": {"name": spec.name, "digest": spec.digest},
+        **checkpoint_tail(spec),
     }
     if v3:
         cfg["num_nextn_predict_layers"] = m.nextn

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from sglang_disagg.env import models_dir
-from sglang_disagg.models.specs import Architecture, ModelSpec, get_spec
+from sglang_disagg.models.specs import Architecture, ModelSpec, checkpoint_tail, get_spec
 from sglang_disagg.models.tokenizer import write_tokenizer
 
 _LOGIT_SCALE = 4.0  # std of the lm_head output for unit-RMS hidden states
@@ -107,13 +107,7 @@ def _config(spec: ModelSpec) -> dict:
         "hidden_act": "silu",
         "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,
-        "attention_bias": False,
-        "tie_word_embeddings": False,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "pad_token_id": 3,
-        "torch_dtype": "float32",
-        "sglang_disagg_builtin": {"name": spec.name, "digest": spec.digest},
+        **checkpoint_tail(spec),
     }
     return cfg
 

@@ -143,6 +143,15 @@ BUILTIN_MODELS: dict[str, ModelSpec] = {
     )
 }
 
+def checkpoint_tail(spec: ModelSpec) -> dict:
+    """The config.json fields every generated checkpoint ends with: no biases or tied
+    embeddings, the offline tokenizer's special ids, float32, and which built-in (name,
+    digest) it is, so a cached copy can be recognised."""
+    return {"attention_bias": False, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+            "pad_token_id": 3, "torch_dtype": "float32",
+            "sglang_disagg_builtin": {"name": spec.name, "digest": spec.digest}}
+
+
 # A real model (sglang_disagg.models.real): what `make run` and the launcher serve by default.
 DEFAULT_MODEL = "smollm2-135m"
 
