@@ -43,11 +43,13 @@ def drop_kv(scheduler: Any, req: Any) -> None:
 
 
 def _rows(pool: Any, slots: Any) -> list[Any]:
-    """[layer][K|V] rows of `slots` as [slots, heads, dim], for NHD or HND buffers."""
+    """[layer][K|V] rows of `slots` as [slots, heads, dim], for NHD or HND buffers; an MLA
+    pool's [layer][latent] rows as [slots, 1, kv_lora_rank + rope_dim]."""
     out = []
     for layer in range(pool.layer_num):
         pair = []
-        for buf in (pool.k_buffer[layer], pool.v_buffer[layer]):
+        mla = hasattr(pool, "kv_buffer") and hasattr(pool, "kv_lora_rank")
+        for buf in (pool.kv_buffer[layer],) if mla else (pool.k_buffer[layer], pool.v_buffer[layer]):
             if buf.dim() == 4:  # HND: [page, head, slot in page, dim]
                 ps = buf.shape[2]
                 pair.append(buf[slots // ps, :, slots % ps].clone().cpu())

@@ -90,3 +90,40 @@ class Faults:
     def apply(self, view: KVPoolView, pages: Sequence[int]) -> None:
         self.specs[self.served % len(self.specs)].apply(view, pages)
         self.served += 1
+
+
+@dataclass(slots=True)
+class CorruptSource:
+    """Prefill side, ``SGLANG_DISAGG_FAULT=corrupt_source:R``: right before the leader posts
+    writes read from TP rank R's KV, it zeroes those source bytes in rank R's pool (its
+    forward is over; the other ranks' copies stay correct). With replicated (MLA) KV each
+    request reads from one rank drawn per request, so exactly the requests that drew R
+    come out wrong: the negative control that shows which copy a decoder really read.
+    CPU pools only (the leader writes through its mapping of rank R's memory)."""
+
+    rank: int
+    corrupted: list[str]  # rids whose pages were corrupted, in order (bounded)
+
+    @classmethod
+    def from_env(cls) -> CorruptSource | None:
+        spec = os.environ.get(ENV, "")
+        if not spec.startswith("corrupt_source"):
+            return None
+        _, _, rank = spec.partition(":")
+        if not rank.isdigit():
+            raise ValueError(f"fault {spec!r}: expected corrupt_source:<TP rank>")
+        return cls(int(rank), [])
+
+    def apply(self, addresses: Sequence[int], region: Any, groups: Sequence[Any], rid: str) -> None:
+        """`addresses[i]`: where region i of rank `self.rank` is mapped in this process;
+        `region(layer, kind)` -> i."""
+        import ctypes
+
+        mine = [g for g in groups if g.src_rank == self.rank]
+        for g in mine:
+            base = addresses[region(g.layer, g.kind)]
+            for p in g.src_pages:
+                ctypes.memset(base + p * g.src_stride + g.src_offset, 0, g.length)
+        if mine and (not self.corrupted or self.corrupted[-1] != rid):
+            self.corrupted.append(rid)
+            del self.corrupted[:-256]

@@ -49,6 +49,11 @@ def attention_projections(model: torch.nn.Module, attention_type: type | None = 
                 "not stream this model (start it with streaming off, or teach layers.py its projection)")
         layer_id = int(getattr(module, "layer_id", len(found)))
         if layer_id in found:
+            # DeepSeek MLA: one attention module holds two ops (attn_mqa for the absorbed
+            # path, attn_mha for the expanded one) with one layer id; whichever ran, the
+            # module's o_proj runs once, so its hook counts the layer once.
+            if found[layer_id] is proj:
+                continue
             raise LayerHookError(f"{type(model).__name__}: two attention ops claim layer {layer_id}")
         found[layer_id] = proj
     if not found:

@@ -66,6 +66,7 @@ class Node:
                 inbox.close()
         self.backend: TransferBackend | None = None
         self.regions: dict[int, list[Any]] = {}  # rank -> its (layer, kind) regions, leader only
+        self.addresses: dict[int, list[int]] = {}  # rank -> where those regions are mapped here (leader)
         self._mappings: list[shm.Mapping | cumem.Imported] = []
         endpoints: list[wire.RankEndpoint] = []
         if self.ranks.is_leader:
@@ -76,8 +77,9 @@ class Node:
             for rank in range(self.ranks.size):
                 if rank == 0:
                     regions, descriptors = self.view.register(self.backend)
+                    self.addresses[rank] = [t.data_ptr() for t in self.view.tensors]
                 else:
-                    regions, descriptors = self._register_peer_rank(backings[rank], fds.get(rank, {}))
+                    regions, descriptors = self._register_peer_rank(rank, backings[rank], fds.get(rank, {}))
                 self.regions[rank] = regions
                 endpoints.append(wire.RankEndpoint(rank, self.backend.address, self.backend.instance,
                                                    tuple(descriptors)))
@@ -100,11 +102,11 @@ class Node:
                         cfg.role.value, self.backend.name, self.backend.provider or "-", self.backend.address,
                         self.ranks.size, len(self.regions[0]), self.view.geometry.layout.value, self.page_size)
 
-    def _register_peer_rank(self, backings: list[Any], fds: dict[int, int]) -> tuple[list[Any], list[str]]:
+    def _register_peer_rank(self, rank: int, backings: list[Any], fds: dict[int, int]) -> tuple[list[Any], list[str]]:
         """Map one rank's buffers here and register them. GPU: each cuMem allocation is
         imported once (`fds`: key -> its descriptor, owned from here on) and its tensors
         (K and V halves of one allocation) are registered at their offsets in it."""
-        regions, descriptors = [], []
+        regions, descriptors, addresses = [], [], []
         imported: dict[int, cumem.Imported] = {}
         try:
             for backing in backings:
@@ -122,9 +124,11 @@ class Node:
                 region, desc = self.backend.register(addr, length, memory)
                 regions.append(region)
                 descriptors.append(desc.decode())
+                addresses.append(addr)
         finally:
             for f in fds.values():  # descriptors of allocations no buffer named
                 os.close(f)
+        self.addresses[rank] = addresses
         return regions, descriptors
 
     def start_reader(self, handle: Callable[[Any, wire.Message], None]) -> None:

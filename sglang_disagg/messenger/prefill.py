@@ -42,7 +42,7 @@ from . import wire
 from .config import MessengerConfig
 from .inputs import CancelTicket, DecoderJoined, MessengerInput, OrderTicket
 from .intake import Intake
-from .faults import ENV as FAULT_ENV
+from .faults import ENV as FAULT_ENV, CorruptSource
 from .kvpool import post
 from .layers import LayerCounter
 from .node import Node
@@ -76,6 +76,8 @@ class PrefillMessenger:
         # Test-only: every write into a decoder fails at posting, as when a decoder's region
         # descriptor names memory this server cannot map (issue 19).
         self._fail_writes = os.environ.get(FAULT_ENV) == "fail_writes"
+        self._corrupt = CorruptSource.from_env() if self.ranks.is_leader else None
+        self.by_source: dict[int, int] = {}  # TP rank -> orders that read pages from it (leader)
         self.fence = for_device(device).fence()  # the forward's end, in stream order
         if cfg.stream and self.ranks.is_leader:
             if counter is None:
@@ -250,6 +252,9 @@ class PrefillMessenger:
         if upto <= rec.sent:
             return None
         plan = self.decoders[rec.key].plan.for_request(o.tag)  # MLA: this request's source replicas
+        if rec.sent == 0 and self.ranks.is_leader:
+            for src in {p.src_rank for p in plan.pieces}:
+                self.by_source[src] = self.by_source.get(src, 0) + 1
         row = self.sched.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
         first, cached = rec.sent, max(rec.sent, min(upto, req.prefix_len // ps))
         chunk = Chunk(rec)
@@ -278,9 +283,12 @@ class PrefillMessenger:
             if self._fail_writes:
                 raise TransferError(f"injected fault ({FAULT_ENV}=fail_writes): this server cannot write into "
                                     "the decoder's pages")
+            if self._corrupt is not None:
+                self._corrupt.apply(self.node.addresses[self._corrupt.rank], self.node.view.region, groups,
+                                    rec.order.rid)
             for g in groups:
                 fut = post(self.backend, link.peers[g.dst_rank], g, self.node.regions[g.src_rank],
-                           link.remote[g.dst_rank], rec.order.tag)
+                           link.remote[g.dst_rank], rec.order.tag, len(self.node.view.geometry.kinds))
                 rec.posted_one()
                 self.stats["writes_posted"] += g.writes
                 m.writes.inc(g.writes)
@@ -338,7 +346,8 @@ class PrefillMessenger:
     def snapshot(self) -> dict:
         return self.node.describe(self.sched) | self.stats | {
             "decoders": len(self.decoders), "in_flight": len(self.records), "streaming": self.streamer is not None,
-            "recent": list(self.recent)}
+            "recent": list(self.recent), "requests_by_source": dict(self.by_source)} | (
+            {"fault_corrupted": list(self._corrupt.corrupted)} if self._corrupt is not None else {})
 
     def _finish(self, rec: Record, failed: bool) -> None:
         rec.done = True

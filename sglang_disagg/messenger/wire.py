@@ -28,8 +28,8 @@ import typing
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
-WIRE_VERSION = 4  # 2: OrderFailed.blame; 3: KVSpec.draft/draft_layers, PrefillOrder.last_token;
-# 4: KVSpec.draft_hidden_size
+WIRE_VERSION = 5  # 2: OrderFailed.blame; 3: KVSpec.draft/draft_layers, PrefillOrder.last_token;
+# 4: KVSpec.draft_hidden_size; 5: KVSpec.kv_lora_rank/rope_dim/replicated (MLA)
 MAX_TOKENS = 1 << 20
 
 
@@ -59,12 +59,20 @@ class KVSpec:
     draft: str = ""
     draft_layers: int = 0
     draft_hidden_size: int = 0
+    # MLA (DeepSeek): the latent's compressed and rope parts (head_dim is their sum, kv_heads
+    # 1, v_head_dim 0) and whether every TP rank holds the whole KV (then each destination
+    # rank reads a request's pages from one source rank drawn per request). Named apart so a
+    # refusal says which part of two latent geometries differs.
+    kv_lora_rank: int = 0
+    rope_dim: int = 0
+    replicated: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class RankEndpoint:
     """One TP rank's transfer backend: where to connect, and (decoders) its KV regions,
-    one descriptor per (layer, kind) in the order layer * 2 + kind."""
+    one descriptor per (layer, kind) in the order layer * kinds + kind (kinds: 2 for K and V,
+1 for an MLA latent)."""
 
     rank: int
     address: str
@@ -213,6 +221,10 @@ def _value(hint: Any, v: Any, where: str) -> Any:
     if hint is int:
         if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**63:
             raise WireError(f"{where}: expected a non-negative integer, got {v!r}")
+        return v
+    if hint is bool:
+        if not isinstance(v, bool):
+            raise WireError(f"{where}: expected true or false, got {v!r}")
         return v
     if hint is str:
         if not isinstance(v, str):

@@ -1,0 +1,224 @@
+"""DeepSeek's MLA latent KV through the messenger (tiny-deepseek-v3, float32, torch_native).
+
+Every TP rank holds the whole latent (one [slots, 1, kv_lora_rank + rope] buffer per layer),
+so the plan is replicated: each destination rank takes a request's pages from ONE prefill
+rank drawn per request (both sides seed the draw with the order's tag), one write per page
+and layer per destination rank. Checked, against one colocated TP 1 server of the same model:
+- every TP pair (prefill -> decode) 1->1, 2->1, 1->2, 2->2 on shmem and 2->1 on libfabric tcp
+  gives the colocated tokens over the suite's prompts, sequential and concurrent; the decoder
+  counted pages x layers x destination ranks writes; a TP 2 prefill server read from both
+  ranks over the run; the decoder's latent KV for each prompt is the colocated server's;
+- the source is random and really is the one read: a fault zeroes TP rank 1's copy of what
+  it is about to send (its forward is over, rank 0's copy stays right); exactly the requests
+  whose draw picked rank 1 come out different, and both ranks were picked;
+- a decoder missing one layer's pages (layer 2) differs (the comparison can fail); first
+  contact refuses a decoder whose latent geometry differs, naming it; a control connection
+  dropped mid-transfer frees every page on both sides and the next request is exact;
+- a DeepSeek-V2 checkpoint without q LoRA (generated here) on one pair, against its float64
+  reference (the colocated tests show the served tokens equal it).
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import time
+
+import pytest
+import torch
+
+from harness.deepseek import V2_NO_Q_LORA, checkpoint
+from sglang_disagg.backends import BackendConfig, auth, create_backend
+from sglang_disagg.launch import Role
+from sglang_disagg.launch.client import generate_ids, greedy, post_json
+from sglang_disagg.messenger import compat, wire
+from sglang_disagg.messenger.faults import ENV as FAULT_ENV
+from sglang_disagg.messenger.links import REFUSED_MARK
+from sglang_disagg.messenger.planner import pages_for
+from sglang_disagg.models import ensure_model, get_spec
+from sglang_disagg.testsupport import DUMP_ENV
+
+from .conftest import OUTPUT_TOKENS, StackSpec, assert_same, prompts_for, run_concurrent, start_stack
+from .faultlib import FAULT_DEADLINE_S, Call, first_contact, long_prompt, scrape, value, wait_for, wait_released
+from .test_deepseek_colocated import reference
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "tiny-deepseek-v3"
+PAGE = 16  # the messenger's default page size
+LAYERS = get_spec(MODEL).num_layers  # the target's; NEXTN is not loaded without speculation
+
+
+def draw_prompts(n: int = 12) -> list[list[int]]:
+    """Distinct one-chunk prompts of 20 tokens with distinct first tokens: no two share a
+    page, so no prefill forward ever reads another request's (corrupted) latent."""
+    rng = random.Random(27)
+    firsts = rng.sample(range(10, 4000), n)
+    return [[f] + [rng.randrange(10, 4000) for _ in range(19)] for f in firsts]
+
+
+def _run(url: str, prompts, rid: str | None = None) -> list[list[int]]:
+    out = []
+    for i, p in enumerate(prompts):
+        extra = {"rid": f"kvdump-{rid}-{i}"} if rid else {}
+        r = post_json(f"{url}/generate", {"input_ids": p, "sampling_params": greedy(OUTPUT_TOKENS), **extra})
+        out.append(list(r["output_ids"]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def colocated(tmp_path_factory, stacks):
+    """The colocated TP 1 reference: the suite's prompts (with latent dumps, rid
+    kvdump-col-i), the draw prompts."""
+    stacks.close()
+    root = tmp_path_factory.mktemp("deepseek-pd")
+    dumps = root / "dumps"
+    dumps.mkdir()
+    stack = start_stack(root, StackSpec(role=Role.COLOCATED, model=MODEL, env=((DUMP_ENV, str(dumps)),)))
+    try:
+        prompts = prompts_for(MODEL)
+        return root, dumps, prompts, _run(stack.url, prompts, rid="col"), _run(stack.url, draw_prompts())
+    finally:
+        stack.stop()
+
+
+def _writes(stack, role: str = "decode") -> float:
+    return value(scrape("127.0.0.1", getattr(stack.cfg.ports, f"{role}_metrics")), "sglang_disagg_kv_writes_total")
+
+
+PAIRS = [
+    pytest.param("shmem", None, 1, 1, id="shmem-1-1"),
+    pytest.param("shmem", None, 2, 1, id="shmem-2-1"),
+    pytest.param("shmem", None, 1, 2, id="shmem-1-2"),
+    pytest.param("shmem", None, 2, 2, id="shmem-2-2"),
+    pytest.param("libfabric", "tcp", 2, 1, id="libfabric-tcp-2-1"),
+]
+
+
+@pytest.mark.parametrize("backend,provider,prefill_tp,decode_tp", PAIRS)
+def test_tp_pair_matches_colocated(colocated, backend, provider, prefill_tp, decode_tp):
+    root, dumps, prompts, expected, _ = colocated
+    tag = f"dis-{backend}-{prefill_tp}{decode_tp}"
+    stack = start_stack(root, StackSpec(model=MODEL, backend=backend, provider=provider, prefill_tp=prefill_tp,
+                                        decode_tp=decode_tp, env=((DUMP_ENV, str(dumps)),)))
+    try:
+        decoder = f"http://127.0.0.1:{stack.cfg.ports.decode}"
+        wait_for("the readiness probe handed off", lambda: sum(stack.messenger_stats("decode")["in_flight"]
+                                                               .values()) == 0, 10, 0.05)
+        before = _writes(stack)
+        assert_same(_run(decoder, prompts, rid=tag), expected, prompts)  # by the decoder's port: rids name dumps
+        wait_for("every hand-off recorded", lambda: sum(
+            str(r["rid"]).startswith(f"kvdump-{tag}-") for r in stack.messenger_stats("decode")["recent"])
+            >= sum(len(p) >= 2 for p in prompts), 10, 0.05)
+        mine = [r for r in stack.messenger_stats("decode")["recent"] if str(r["rid"]).startswith(f"kvdump-{tag}-")]
+        writes = _writes(stack) - before
+        assert_same(run_concurrent(stack.url, prompts), expected, prompts)
+        assert not stack.dead()
+        decode, prefill = stack.messenger_stats("decode"), stack.messenger_stats("prefill")
+    finally:
+        stack.stop()
+    # One write per page and layer per destination rank, whatever the prefill TP (never
+    # x source ranks); pages the decoder's radix tree held are not asked for.
+    assert all(r["pages"] == pages_for(r["tokens"], PAGE) for r in mine)
+    assert writes == sum(r["pages"] - r["reused"] for r in mine) * LAYERS * decode_tp
+    assert decode["requests_failed"] == 0 and decode["pages_quarantined"] == 0
+    for role, tp, node in (("prefill", prefill_tp, prefill), ("decode", decode_tp, decode)):
+        assert (node["tp"], node["backends"], node["ranks_driven"]) == (tp, 1, tp), role
+    by_source = {int(k): v for k, v in prefill["requests_by_source"].items()}
+    assert set(by_source) == set(range(prefill_tp)), f"sources drawn: {by_source}"  # every prefill rank sent
+    # The latent the decoder holds for each prompt is the colocated server's: all but the
+    # last slot arrived by transfer. Within float32 rounding (a prefill of other GEMM shapes
+    # or a TP 2 all-reduce orders sums differently, ~1e-6); a missing or misplaced page is O(1).
+    for i, p in enumerate(prompts):
+        if len(p) < 2:
+            continue
+        col, dis = torch.load(dumps / f"kvdump-col-{i}.pt"), torch.load(dumps / f"kvdump-{tag}-{i}.pt")
+        assert len(col["target"]) == len(dis["target"]) == LAYERS
+        for layer, ((a,), (b,)) in enumerate(zip(col["target"], dis["target"])):
+            assert a.shape == b.shape == (len(p), 1, 160), f"prompt {i} layer {layer}: {a.shape} {b.shape}"
+            assert (a - b).abs().max() <= 1e-5, f"prompt {i} ({len(p)} tokens) layer {layer}: latent differs"
+
+
+def test_the_drawn_source_is_the_one_read(colocated):
+    """TP 2 -> 1 with rank 1's copy zeroed before it is sent: exactly its draws differ."""
+    root, _, _, _, expected = colocated
+    prompts = draw_prompts()
+    stack = start_stack(root, StackSpec(model=MODEL, backend="shmem", prefill_tp=2,
+                                        env=((FAULT_ENV, "corrupt_source:1"),)))
+    try:
+        decoder = f"http://127.0.0.1:{stack.cfg.ports.decode}"
+        got = _run(decoder, prompts, rid="draw")
+        rids = {f"kvdump-draw-{i}" for i in range(len(prompts))}
+        wait_for("every order recorded", lambda: rids <= {r["rid"] for r in stack.messenger_stats("prefill")["recent"]},
+                 10, 0.05)
+        corrupted = set(stack.messenger_stats("prefill")["fault_corrupted"])
+    finally:
+        stack.stop()
+    drew_1 = {i for i in range(len(prompts)) if f"kvdump-draw-{i}" in corrupted}
+    differ = {i for i, (g, e) in enumerate(zip(got, expected)) if g != e}
+    assert 0 < len(drew_1) < len(prompts), f"the draw picked rank 1 for {sorted(drew_1)} of {len(prompts)}"
+    assert differ == drew_1, f"differing {sorted(differ)}, drew the corrupted rank {sorted(drew_1)}"
+
+
+def _geometry_refused(stack) -> None:
+    """A decoder whose latent differs (kv_lora_rank 64 + rope 32), against the live prefill
+    server: refused at first contact, naming the latent's parts."""
+    secret = auth.load_secret({auth.SECRET_FILE_ENV: stack.cfg.secret_file})
+    backend = create_backend("libfabric", BackendConfig(provider="tcp", host="127.0.0.1", port=0, secret=secret))
+    kv = wire.KVSpec(model=MODEL, fingerprint=compat.fingerprint(str(ensure_model(MODEL))), num_layers=LAYERS,
+                     kv_heads=1, head_dim=96, v_head_dim=0, page_size=PAGE, dtype="float32", layout="hnd", tp=1,
+                     kv_lora_rank=64, rope_dim=32, replicated=True)
+    hello = wire.Hello(decoder="test", backend="libfabric", provider="tcp", kv=kv, ranks=())
+    link, _ = first_contact(backend, hello, f"127.0.0.1:{stack.cfg.ports.bootstrap}")
+    assert REFUSED_MARK in link.reason
+    assert "kv_lora_rank differs (decoder: 64, prefill: 128)" in link.reason, link.reason
+    assert "head_dim differs (decoder: 96, prefill: 160)" in link.reason, link.reason
+    assert "rope_dim" not in link.reason and "replicated" not in link.reason, link.reason
+
+
+def test_missing_layer_differs_refusal_and_dropped_connection(colocated):
+    """Negative control (layer 2's pages zeroed on arrival: every carried prompt differs),
+    the latent-geometry refusal, and a control connection dropped mid-transfer."""
+    root, _, prompts, expected, _ = colocated
+    stack = start_stack(root, StackSpec(model=MODEL, backend="libfabric", provider="tcp",
+                                        env=((FAULT_ENV, "zero_kv:layers=2"),)))
+    try:
+        carried = [i for i, p in enumerate(prompts) if len(p) >= 2]
+        got = [generate_ids(stack.url, prompts[i], OUTPUT_TOKENS) for i in carried]
+        differ = [i for i, g in zip(carried, got) if g != expected[i]]
+        # The long prompt's repeat takes its pages from the decoder's radix tree (nothing carried).
+        assert len(differ) >= len(carried) - 1, f"only prompts {differ} of {carried} differ without layer 2"
+        _geometry_refused(stack)
+
+        writes = lambda: _writes(stack, "prefill")  # noqa: E731
+        before = writes()
+        call = Call(stack.url, long_prompt(2000, 27), 4)
+        wait_for("prefill writing", lambda: writes() > before, 30, 0.005)
+        t0 = time.monotonic()
+        subprocess.run(["ss", "-K", "dst", "127.0.0.1", "dport", "=", f":{stack.cfg.ports.bootstrap}"],
+                       capture_output=True, check=True)
+        call.result()
+        _, leak_d = wait_released("127.0.0.1", stack.cfg.ports.decode_metrics, t0, FAULT_DEADLINE_S + 3)
+        _, leak_p = wait_released("127.0.0.1", stack.cfg.ports.prefill_metrics, t0, FAULT_DEADLINE_S + 3)
+        assert leak_d == 0 and leak_p == 0
+        wait_for("the link back", lambda: {v["state"] for v in
+                                           (stack.messenger_stats("decode") or {}).get("links", {}).values()}
+                 == {"ready"}, 10, 0.1)
+        assert generate_ids(stack.url, prompts[0], OUTPUT_TOKENS) == expected[0]  # 1 token: never carried
+    finally:
+        stack.stop()
+
+
+def test_v2_without_q_lora_through_the_messenger(tmp_path_factory, colocated):
+    root = colocated[0]
+    path = checkpoint(V2_NO_Q_LORA, tmp_path_factory.mktemp("deepseek-v2"))
+    prompts = prompts_for(MODEL)
+    stack = start_stack(root, StackSpec(model=str(path), backend="shmem", prefill_tp=2))
+    try:
+        got = _run(stack.url, prompts)
+        assert_same(run_concurrent(stack.url, prompts), got, prompts)
+    finally:
+        stack.stop()
+    want = reference(V2_NO_Q_LORA, path, prompts)
+    for i, (g, e) in enumerate(zip(got, want)):
+        assert g == e, f"prompt {i} ({len(prompts[i])} tokens): {g} != float64 reference {e}"
