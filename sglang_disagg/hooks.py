@@ -315,3 +315,13 @@ def eager_on_cpu(fn: Any, is_cpu: bool) -> Any:
     from sglang_disagg import deepseek_cpu
 
     return deepseek_cpu.eager_on_cpu(fn, is_cpu)
+
+
+def synchronize(device: Any) -> None:
+    """DeepSeek's draft (NEXTN) shares the target's embedding and head, then waits for the
+    device: torch.cuda.synchronize() on CUDA; nothing to wait for on CPU, where the call
+    would initialise CUDA in a forked scheduler and kill it."""
+    import torch
+
+    if getattr(device, "type", str(device)).startswith("cuda"):
+        torch.cuda.synchronize(device)

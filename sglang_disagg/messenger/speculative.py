@@ -11,7 +11,10 @@ travel with the same plan, tag and write count. No hidden state crosses: the dec
 the last prompt token itself, target and draft, as a colocated server's prefill would, and
 that token's hidden state (the only one its draft still reads) comes from its own forward.
 
-Anything else (EAGLE3, MTP, n-gram, DFLASH, ...: none run or tested here) is refused at
+DeepSeek's NEXTN (MTP) is carried the same way: SGLang runs it as EAGLE with the target's
+own checkpoint as the draft (its layer ``model.layers.{num_hidden_layers}``); its KV is a
+one-layer MLA latent pool, registered after the target's layers. First contact names it
+NEXTN. Anything else (EAGLE3, n-gram, DFLASH, ...: none run or tested here) is refused at
 start-up rather than served with a cold or stale draft. Two places ask, with the same answer: the launcher,
 before it starts anything (``LaunchConfig``), and every messenger server when its target
 model is loaded (``hooks.model_loaded``), for servers started some other way. Colocated
@@ -27,7 +30,10 @@ from typing import Any
 
 # Flags that turn speculative decoding on in SGLang's server arguments.
 SPEC_FLAGS = ("--speculative-algorithm", "--speculative-draft-model-path")
-CARRIED = frozenset({"EAGLE", "STANDALONE"})  # algorithms the messenger moves the draft's state for
+# Algorithms the messenger moves the draft's state for. NEXTN (DeepSeek's MTP layer) is
+# EAGLE inside SGLang (it rewrites the name): a draft layer over the target's hidden state
+# with the target's embedding and head, its KV a one-layer latent pool.
+CARRIED = frozenset({"EAGLE", "STANDALONE", "NEXTN"})
 
 
 class UnsupportedSpeculation(ValueError):
@@ -103,6 +109,8 @@ def draft_identity(server_args: Any) -> tuple[str, int]:
     from .compat import fingerprint
 
     path = str(server_args.speculative_draft_model_path)
+    if path.rstrip("/") == str(getattr(server_args, "model_path", "")).rstrip("/"):
+        algorithm = "NEXTN"  # the target's own MTP layer (SGLang runs NEXTN as EAGLE)
     try:
         hidden = int(json.loads((Path(path) / "config.json").read_text()).get("hidden_size", 0))
     except (OSError, ValueError, TypeError):

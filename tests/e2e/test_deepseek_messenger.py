@@ -15,7 +15,12 @@ and layer per destination rank. Checked, against one colocated TP 1 server of th
   contact refuses a decoder whose latent geometry differs, naming it; a control connection
   dropped mid-transfer frees every page on both sides and the next request is exact;
 - a DeepSeek-V2 checkpoint without q LoRA (generated here) on one pair, against its float64
-  reference (the colocated tests show the served tokens equal it).
+  reference (the colocated tests show the served tokens equal it);
+- NEXTN (MTP, one draft step, top-k 1) across the boundary, TP 2 -> 1: tokens, verification
+  counts and each step's accepted drafts equal a colocated MTP server's (and the tokens a
+  server's without MTP); the decoder's draft latent equals the colocated one; zeroing the
+  draft's latent on arrival changes the acceptance; a decoder without MTP is refused by a
+  prefill server with it, naming NEXTN.
 """
 
 from __future__ import annotations
@@ -57,12 +62,18 @@ def draw_prompts(n: int = 12) -> list[list[int]]:
     return [[f] + [rng.randrange(10, 4000) for _ in range(19)] for f in firsts]
 
 
-def _run(url: str, prompts, rid: str | None = None) -> list[list[int]]:
+MTP = ("--speculative-algorithm", "NEXTN", "--speculative-num-steps", "1", "--speculative-eagle-topk", "1",
+       "--speculative-num-draft-tokens", "2")
+STATS = ("spec_verify_ct", "spec_correct_drafts_histogram", "completion_tokens")
+
+
+def _run(url: str, prompts, rid: str | None = None, stats: bool = False) -> list:
     out = []
     for i, p in enumerate(prompts):
         extra = {"rid": f"kvdump-{rid}-{i}"} if rid else {}
         r = post_json(f"{url}/generate", {"input_ids": p, "sampling_params": greedy(OUTPUT_TOKENS), **extra})
-        out.append(list(r["output_ids"]))
+        tokens = list(r["output_ids"])
+        out.append((tokens, {k: r["meta_info"].get(k) for k in STATS}) if stats else tokens)
     return out
 
 
@@ -222,3 +233,65 @@ def test_v2_without_q_lora_through_the_messenger(tmp_path_factory, colocated):
     want = reference(V2_NO_Q_LORA, path, prompts)
     for i, (g, e) in enumerate(zip(got, want)):
         assert g == e, f"prompt {i} ({len(prompts[i])} tokens): {g} != float64 reference {e}"
+
+
+def _mtp(root, role: Role, env=(), **kw):
+    return start_stack(root, StackSpec(role=role, model=MODEL, extra_args=MTP, env=tuple(env), **kw), page_size=PAGE)
+
+
+def test_nextn_across_the_boundary(colocated):
+    """Colocated MTP, then messenger MTP TP 2 -> 1 (random sources for target and draft
+    latent alike), then a decoder that zeroes the draft's layer on arrival."""
+    root, _, prompts, plain, _ = colocated
+    dumps = root / "mtp-dumps"
+    dumps.mkdir()
+    stack = _mtp(root, Role.COLOCATED, env=((DUMP_ENV, str(dumps)),))
+    try:
+        expected = _run(stack.url, prompts, rid="col", stats=True)
+    finally:
+        stack.stop()
+    assert [t for t, _ in expected] == plain, "MTP changed the colocated tokens"
+    assert sum(s["spec_correct_drafts_histogram"][1] for _, s in expected) > 0, "the NEXTN layer never agreed"
+
+    stack = _mtp(root, Role.ALL, env=((DUMP_ENV, str(dumps)),), backend="shmem", prefill_tp=2)
+    try:
+        got = _run(f"http://127.0.0.1:{stack.cfg.ports.decode}", prompts, rid="dis", stats=True)
+        assert [t for t, _ in _run(stack.url, prompts[:3], stats=True)] == [t for t, _ in expected[:3]]
+    finally:
+        stack.stop()
+    for i, ((tokens, stats), (ref_tokens, ref_stats)) in enumerate(zip(got, expected)):
+        assert tokens == ref_tokens, f"prompt {i} ({len(prompts[i])} tokens): {tokens} != colocated MTP {ref_tokens}"
+        assert stats == ref_stats, f"prompt {i} ({len(prompts[i])} tokens): {stats} != colocated MTP {ref_stats}"
+        steps = (dumps / f"kvdump-dis-{i}.steps").read_text().split()
+        assert steps == (dumps / f"kvdump-col-{i}.steps").read_text().split(), f"prompt {i}: steps differ"
+    for i, p in enumerate(prompts):
+        if len(p) < 2:
+            continue
+        col, dis = torch.load(dumps / f"kvdump-col-{i}.pt"), torch.load(dumps / f"kvdump-dis-{i}.pt")
+        for part, layers in (("target", LAYERS), ("draft", 1)):
+            assert len(col[part]) == len(dis[part]) == layers
+            for layer, ((a,), (b,)) in enumerate(zip(col[part], dis[part])):
+                assert (a - b).abs().max() <= 1e-5, f"prompt {i} ({len(p)} tokens): {part} layer {layer} differs"
+        assert (col["draft"][0][0] - col["target"][0][0]).abs().max() > 0.1  # the draft's latent is its own
+
+    # The negative control: without the draft's latent the acceptance changes (verification
+    # keeps the tokens); and a decoder without MTP is refused by this prefill server.
+    stack = _mtp(root, Role.ALL, env=((FAULT_ENV, "zero_kv:layers=last"),), backend="libfabric", provider="tcp")
+    try:
+        cold = _run(stack.url, prompts, stats=True)
+        secret = auth.load_secret({auth.SECRET_FILE_ENV: stack.cfg.secret_file})
+        backend = create_backend("libfabric", BackendConfig(provider="tcp", host="127.0.0.1", port=0, secret=secret))
+        kv = wire.KVSpec(model=MODEL, fingerprint=compat.fingerprint(str(ensure_model(MODEL))), num_layers=LAYERS,
+                         kv_heads=1, head_dim=160, v_head_dim=0, page_size=PAGE, dtype="float32", layout="hnd",
+                         tp=1, kv_lora_rank=128, rope_dim=32, replicated=True)
+        hello = wire.Hello(decoder="test", backend="libfabric", provider="tcp", kv=kv, ranks=())
+        link, _ = first_contact(backend, hello, f"127.0.0.1:{stack.cfg.ports.bootstrap}")
+    finally:
+        stack.stop()
+    assert [t for t, _ in cold] == plain
+    carried = [i for i, p in enumerate(prompts) if len(p) >= 2]
+    changed = [i for i in carried if cold[i][1] != expected[i][1]]
+    assert len(changed) >= len(carried) // 2, f"only prompts {changed} changed acceptance without the draft's KV"
+    assert REFUSED_MARK in link.reason
+    assert "speculative draft differs (decoder: none, prefill: NEXTN:" in link.reason, link.reason
+    assert "draft_layers differs (decoder: 0, prefill: 1)" in link.reason, link.reason

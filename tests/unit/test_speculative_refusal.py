@@ -13,7 +13,7 @@ from sglang_disagg.launch.__main__ import parse
 from sglang_disagg.messenger.speculative import UnsupportedSpeculation, check_argv, check_server_args
 
 SPEC = [["--speculative-algorithm", "EAGLE3"], ["--speculative-algorithm=eagle3"],
-        ["--speculative-algorithm", "NGRAM"], ["--speculative-algorithm=NEXTN"]]
+        ["--speculative-algorithm", "NGRAM"], ["--speculative-algorithm=dflash"]]
 
 
 @pytest.mark.parametrize("spec", SPEC, ids=lambda a: a[0].split("=")[0] + ("=" if "=" in a[0] else ""))
@@ -32,10 +32,11 @@ def test_colocated_and_upstream_keep_speculation():
 
 
 def test_names_the_algorithm():
-    with pytest.raises(UnsupportedSpeculation, match=r"\(EAGLE3\).*Algorithms it carries: EAGLE, STANDALONE"):
+    with pytest.raises(UnsupportedSpeculation, match=r"\(EAGLE3\).*Algorithms it carries: EAGLE, NEXTN, STANDALONE"):
         check_argv(["--speculative-algorithm", "eagle3"])
     check_argv(["--speculative-algorithm", "standalone", "--speculative-draft-model-path", "/d"])
     check_argv(["--speculative-algorithm=eagle", "--speculative-draft-model-path", "/d"])
+    check_argv(["--speculative-algorithm=NEXTN"])  # DeepSeek's MTP layer: the draft is the target's checkpoint
     check_server_args(SimpleNamespace(speculative_algorithm="STANDALONE"))
     check_server_args(SimpleNamespace(speculative_algorithm="EAGLE"))
     with pytest.raises(UnsupportedSpeculation, match=r"\(EAGLE3\)"):
@@ -79,6 +80,10 @@ def test_first_contact_reads_the_draft_hidden_size_from_its_config():
         draft, hidden = draft_identity(args)
         assert hidden == want > 0 and draft.startswith("EAGLE:"), name
     assert draft_identity(SimpleNamespace(speculative_algorithm=None)) == ("", 0)
+    # NEXTN arrives as EAGLE with the target's own checkpoint as the draft: named NEXTN.
+    path = ensure_model("tiny-deepseek-v3")
+    args = SimpleNamespace(speculative_algorithm="EAGLE", speculative_draft_model_path=str(path), model_path=str(path))
+    assert draft_identity(args)[0].startswith("NEXTN:")
 
 
 def _pool(layers: int, heads: int = 2, dim: int = 64, page: int = 16):
