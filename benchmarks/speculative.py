@@ -1,11 +1,12 @@
 """Speculative decoding across the boundary: acceptance and decode speed per user.
 
-    python benchmarks/speculative.py --out DIR [--algorithm STANDALONE|EAGLE] [--prompts 8] [--output-tokens 64]
+    python benchmarks/speculative.py --out DIR [--algorithm STANDALONE|EAGLE|NEXTN] [--prompts 8] [--output-tokens 64]
 
 Four configurations, one after another on this machine, float32, chunked prefill 64, the
 messenger's page size (16) everywhere: ``colocated_spec`` (one SGLang server with
 speculation, one step, top-k 1, two draft tokens: STANDALONE, tiny-llama with the built-in
-draft tiny-llama-draft; or EAGLE, tiny-llama-1l with its built-in head tiny-llama-1l-eagle), ``messenger_spec`` (--role all, shmem, the same speculation: the
+draft tiny-llama-draft; or EAGLE, tiny-llama-1l with its built-in head tiny-llama-1l-eagle; or
+NEXTN, tiny-deepseek-v3 with its own MTP layer), ``messenger_spec`` (--role all, shmem, the same speculation: the
 draft's KV crosses with the target's), ``messenger_spec_cold_draft`` (the same, the decoder
 zeroing the draft's layers of what it received: a draft whose state did not cross) and
 ``messenger`` (--role all without speculation).
@@ -13,7 +14,7 @@ Requests are sequential (one user), streamed, each prompt new to every server; p
 decode tokens/s = (output tokens - 1) / (last token's arrival - first token's), the
 acceptance length (SGLang's spec_accept_length: tokens per verify step, 1 to 2 here) and the
 output ids (every configuration must give the same). Writes DIR/speculative.json and
-DIR/speculative.png (EAGLE: speculative-eagle.json/png). The STANDALONE draft is the
+DIR/speculative.png (EAGLE: speculative-eagle.json/png; NEXTN: speculative-nextn.json/png). The STANDALONE draft is the
 target's size (the target perturbed), the EAGLE head a one-layer target's size, so on CPU
 speculation costs about what it saves: the figures measure what the messenger changes
 (acceptance, per-step cost), not a speed-up.
@@ -42,18 +43,25 @@ from sse import data_of  # noqa: E402
 
 ONE_STEP = ("--speculative-num-steps", "1", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "2")
 COMMON = ("--chunked-prefill-size", "64", "--dtype", "float32")
-# algorithm -> (built-in draft, results file stem); the target is the draft spec's base
-DRAFTS = {"STANDALONE": ("tiny-llama-draft", "speculative"), "EAGLE": ("tiny-llama-1l-eagle", "speculative-eagle")}
+# algorithm -> (built-in draft, results file stem); the target is the draft spec's base.
+# NEXTN: tiny-deepseek-v3's own MTP layer (no separate draft; its KV is one latent layer).
+DRAFTS = {"STANDALONE": ("tiny-llama-draft", "speculative"), "EAGLE": ("tiny-llama-1l-eagle", "speculative-eagle"),
+          "NEXTN": (None, "speculative-nextn")}
+NEXTN_TARGET = "tiny-deepseek-v3"
 
 
 def target_of(algorithm: str) -> str:
-    return get_spec(DRAFTS[algorithm][0]).base
+    draft = DRAFTS[algorithm][0]
+    return NEXTN_TARGET if draft is None else get_spec(draft).base
 
 
 def configs(algorithm: str) -> dict:
     draft = DRAFTS[algorithm][0]
-    layers = get_spec(draft).num_layers
-    spec = ("--speculative-algorithm", algorithm, "--speculative-draft-model-path", draft) + ONE_STEP
+    if draft is None:
+        layers, spec = 1, ("--speculative-algorithm", algorithm) + ONE_STEP
+    else:
+        layers = get_spec(draft).num_layers
+        spec = ("--speculative-algorithm", algorithm, "--speculative-draft-model-path", draft) + ONE_STEP
     return {
         "colocated_spec": (Role.COLOCATED, spec, ()),
         "messenger_spec": (Role.ALL, spec, ()),
@@ -155,7 +163,7 @@ def main() -> int:
               "command": f"python benchmarks/speculative.py --out {args.out} --algorithm {args.algorithm}", "wall_s": round(time.time() - t0),
               "rows": rows}
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
-    plot(rows, out / f"{stem}.png", f"{target} + {draft} ({args.algorithm}, 1 step, top-k 1), CPU")
+    plot(rows, out / f"{stem}.png", f"{target} + {draft or 'its NEXTN layer'} ({args.algorithm}, 1 step, top-k 1), CPU")
     for r in rows:
         acc = f"{r['accept_length']:.3f}" if r["accept_length"] else "-"
         print(f"{r['config']:26s} decode {r['decode_tok_s']:7.1f} tok/s ({r['decode_vs_colocated_spec']:.2f}x) "

@@ -172,8 +172,11 @@ def main(argv: list[str]) -> int:
     from sglang_disagg.models import resolve_model_path
 
     model_cfg = json.loads((resolve_model_path(args.model) / "config.json").read_text())
-    head_dim = model_cfg.get("head_dim") or model_cfg["hidden_size"] // model_cfg["num_attention_heads"]
-    write_bytes = 16 * model_cfg["num_key_value_heads"] * head_dim * 4  # one page of K or V, float32
+    if "kv_lora_rank" in model_cfg:  # MLA: one write is a page of one layer's latent (one "head", no V)
+        write_bytes = 16 * (model_cfg["kv_lora_rank"] + model_cfg["qk_rope_head_dim"]) * 4
+    else:
+        head_dim = model_cfg.get("head_dim") or model_cfg["hidden_size"] // model_cfg["num_attention_heads"]
+        write_bytes = 16 * model_cfg["num_key_value_heads"] * head_dim * 4  # one page of K or V, float32
     streaming = configs["streaming"]
     turns = {"with_reuse": chat_bytes(dataclasses.replace(streaming, log_dir=str(logs / "chat-reuse")), write_bytes),
              "without_reuse": chat_bytes(dataclasses.replace(streaming, reuse_prefix=False,

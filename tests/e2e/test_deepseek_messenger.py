@@ -7,7 +7,8 @@ and layer per destination rank. Checked, against one colocated TP 1 server of th
 - every TP pair (prefill -> decode) 1->1, 2->1, 1->2, 2->2 on shmem and 2->1 on libfabric tcp
   gives the colocated tokens over the suite's prompts, sequential and concurrent; the decoder
   counted pages x layers x destination ranks writes; a TP 2 prefill server read from both
-  ranks over the run; the decoder's latent KV for each prompt is the colocated server's;
+  ranks over the run; the decoder's latent KV for each prompt is the colocated server's; a
+  JSON-schema constrained request gives the colocated answer;
 - the source is random and really is the one read: a fault zeroes TP rank 1's copy of what
   it is about to send (its forward is over, rank 0's copy stays right); exactly the requests
   whose draw picked rank 1 come out different, and both ranks were picked;
@@ -43,7 +44,7 @@ from sglang_disagg.messenger.planner import pages_for
 from sglang_disagg.models import ensure_model, get_spec
 from sglang_disagg.testsupport import DUMP_ENV
 
-from .conftest import OUTPUT_TOKENS, StackSpec, assert_same, prompts_for, run_concurrent, start_stack
+from .conftest import OUTPUT_TOKENS, StackSpec, assert_same, prompts_for, run_concurrent, start_stack, structured
 from .faultlib import FAULT_DEADLINE_S, Call, first_contact, long_prompt, scrape, value, wait_for, wait_released
 from .test_deepseek_colocated import reference
 
@@ -77,6 +78,9 @@ def _run(url: str, prompts, rid: str | None = None, stats: bool = False) -> list
     return out
 
 
+json_refs: dict[str, dict] = {}  # the colocated server's JSON-schema constrained answer
+
+
 @pytest.fixture(scope="module")
 def colocated(tmp_path_factory, stacks):
     """The colocated TP 1 reference: the suite's prompts (with latent dumps, rid
@@ -88,7 +92,9 @@ def colocated(tmp_path_factory, stacks):
     stack = start_stack(root, StackSpec(role=Role.COLOCATED, model=MODEL, env=((DUMP_ENV, str(dumps)),)))
     try:
         prompts = prompts_for(MODEL)
-        return root, dumps, prompts, _run(stack.url, prompts, rid="col"), _run(stack.url, draw_prompts())
+        out = root, dumps, prompts, _run(stack.url, prompts, rid="col"), _run(stack.url, draw_prompts())
+        json_refs[MODEL] = structured(stack.url, prompts[-1])
+        return out
     finally:
         stack.stop()
 
@@ -124,6 +130,9 @@ def test_tp_pair_matches_colocated(colocated, backend, provider, prefill_tp, dec
         mine = [r for r in stack.messenger_stats("decode")["recent"] if str(r["rid"]).startswith(f"kvdump-{tag}-")]
         writes = _writes(stack) - before
         assert_same(run_concurrent(stack.url, prompts), expected, prompts)
+        # Structured output: the decoder's grammar over KV that arrived (the prompt's radix hit).
+        got_json = structured(stack.url, prompts[-1])
+        assert got_json["output_ids"] == json_refs[MODEL]["output_ids"], (got_json["text"], json_refs[MODEL]["text"])
         assert not stack.dead()
         decode, prefill = stack.messenger_stats("decode"), stack.messenger_stats("prefill")
     finally:
