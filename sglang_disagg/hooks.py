@@ -140,9 +140,10 @@ def model_loaded(model_runner: Any) -> None:
     cfg = MessengerConfig.from_env()
     if cfg is None:
         return
-    from sglang_disagg.messenger.speculative import check_server_args
+    from sglang_disagg.messenger import dataparallel, speculative
 
-    check_server_args(model_runner.server_args)  # before a draft is loaded, not after
+    speculative.check_server_args(model_runner.server_args)  # before a draft is loaded, not after
+    dataparallel.check_server_args(model_runner.server_args)
     if cfg.role is not MessengerRole.PREFILL or not cfg.stream or model_runner.is_draft_worker:
         return
     from sglang.srt.runtime_context import get_parallel
@@ -325,3 +326,19 @@ def synchronize(device: Any) -> None:
 
     if getattr(device, "type", str(device)).startswith("cuda"):
         torch.cuda.synchronize(device)
+
+
+def padded_seq_len() -> int:
+    """torch_native on CPU: the sequence length DP attention gives the rows it pads a DP
+    group's batch with (so every group runs the MoE/MLP collectives on the same token
+    count): 1, as SGLang's CPU (AMX) backend, a padded row attending to one slot."""
+    return 1
+
+
+def wait_readable(socket: Any, timeout_s: float = 1.0) -> None:
+    """SGLang's data-parallel controller, its queue drained: block until the tokenizer's
+    socket has a message (or `timeout_s`: its loop feeds a watchdog), instead of polling it
+    in a loop that kept a whole core busy while idle (measured: 100 % of one of 2 cores)."""
+    import zmq
+
+    zmq.select([socket], [], [], timeout_s)

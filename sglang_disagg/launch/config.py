@@ -235,9 +235,10 @@ class LaunchConfig:
         if self.role is Role.DECODE and not self.prefill_messengers:
             raise ValueError("--role decode in messenger mode needs at least one --prefill-messenger host:port")
         if self.role is not Role.COLOCATED:
-            from sglang_disagg.messenger.speculative import check_argv
+            from sglang_disagg.messenger import dataparallel, speculative
 
-            check_argv(self.extra_args)
+            speculative.check_argv(self.extra_args)
+            dataparallel.check_argv(self.extra_args)
 
     @property
     def served_model_name(self) -> str:

@@ -31,6 +31,8 @@ Module map:
 - ``stream``    the prefill's worker thread posting each layer's writes as the counter moves
 - ``faults``    test-only partial-loss injection for negative controls
 - ``requests``  the short list of SGLang Req/scheduler internals the messenger touches
+- ``speculative`` / ``dataparallel``  what the messenger carries of SGLang's speculative decoding
+  and data parallelism, and the start-up refusals for what it does not
 
 SGLang reaches all of this through ``sglang_disagg.hooks`` (see patches/README.md).
 """

@@ -26,6 +26,7 @@ from .conftest import OUTPUT_TOKENS, StackSpec, assert_same, prompts_for, run_co
 pytestmark = pytest.mark.e2e
 
 MODEL = "tiny-deepseek-v3"
+DP_TOKENS = 8
 COLOCATED = StackSpec(role=Role.COLOCATED, model=MODEL)
 
 
@@ -64,3 +65,25 @@ def test_other_deepseek_config_shapes_serve_from_a_directory(stacks, tmp_path_fa
     assert_same(run_concurrent(stack.url, prompts), outputs, prompts)
     assert_reference(outputs, reference(spec, path, prompts), prompts, f"served {spec.name}")
 
+
+
+def test_attention_dp_serves_the_tp1_tokens(stacks):
+    """Data-parallel attention on CPU (--tp 2 --attn-dp-size 2: two DP groups of one
+    attention rank each, MoE layers over both): the tokens of TP 1 (the float64 reference's
+    first DP_TOKENS: each decode step here runs the DP collectives over gloo, about 0.1 s on
+    2 cores, so the outputs are short), sequential and concurrent, and both groups served."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sglang_disagg.launch.client import generate_ids, greedy, post_json
+
+    prompts = prompts_for(MODEL)
+    stack = stacks.get(StackSpec(role=Role.COLOCATED, model=MODEL, prefill_tp=2,
+                                 extra_args=("--attn-dp-size", "2")))
+    want = [r[:DP_TOKENS] for r in reference(get_spec(MODEL), ensure_model(MODEL), prompts)]
+    assert_reference([generate_ids(stack.url, p, DP_TOKENS) for p in prompts], want, prompts, "attention DP")
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(lambda p: generate_ids(stack.url, p, DP_TOKENS), prompts))
+    assert_reference(together, want, prompts, "attention DP, concurrent")
+    groups = {post_json(f"{stack.url}/generate", {"input_ids": p, "sampling_params": greedy(1)})["meta_info"]
+              ["dp_rank"] for p in prompts[:4]}
+    assert groups == {0, 1}, f"requests went to DP groups {groups} only"

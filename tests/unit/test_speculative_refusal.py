@@ -114,3 +114,19 @@ def test_the_draft_pool_is_planned_after_the_target_and_compared_at_first_contac
         "draft_hidden_size differs (decoder: 512, prefill: 256)"]
     with pytest.raises(LayoutError, match=r"speculative draft's KV pool .* differs from the target's"):
         KVPoolView.from_pool(target, 2, _pool(2, heads=1))
+
+
+@pytest.mark.parametrize("extra", [["--attn-dp-size", "2"], ["--attn-dp-size=2"], ["--dp-size", "2"],
+                                   ["--data-parallel-size=4"], ["--enable-dp-attention", "--dp-size", "2"]])
+def test_data_parallelism_is_refused_in_messenger_mode_with_the_reason(extra):
+    from sglang_disagg.messenger.dataparallel import UnsupportedParallelism, check_server_args
+
+    for role in (["--role", "all"], ["--role", "prefill"]):
+        with pytest.raises(UnsupportedParallelism, match="not carried by the messenger yet.*--role colocated"):
+            parse([*role, "--model-path", "tiny-deepseek-v3", "--prefill-tp", "2", *extra])
+    cfg, _ = parse(["--role", "colocated", "--model-path", "tiny-deepseek-v3", "--tp", "2", *extra])
+    assert extra[0].split("=")[0] in " ".join(cfg.extra_args)  # colocated runs what SGLang runs
+    parse(["--role", "all", "--dp-size", "1"])  # a size of 1 is no data parallelism
+    with pytest.raises(UnsupportedParallelism, match=r"attn_dp_size=2: attention DP"):
+        check_server_args(SimpleNamespace(dp_size=1, attn_dp_size=2))
+    check_server_args(SimpleNamespace(dp_size=1, attn_dp_size=1))
