@@ -77,6 +77,8 @@ class PrefillMessenger:
         # descriptor names memory this server cannot map (issue 19).
         self._fail_writes = os.environ.get(FAULT_ENV) == "fail_writes"
         self._corrupt = CorruptSource.from_env() if self.ranks.is_leader else None
+        if self._corrupt is not None and device != "cpu":
+            raise ValueError(f"{FAULT_ENV}=corrupt_source writes host memory; this server's KV is on {device}")
         self.by_source: dict[int, int] = {}  # TP rank -> orders that read pages from it (leader)
         self.fence = for_device(device).fence()  # the forward's end, in stream order
         if cfg.stream and self.ranks.is_leader:
