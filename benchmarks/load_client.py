@@ -55,11 +55,14 @@ def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
 
 
 async def stream_generate(session, url: str, body: dict, t0: float, klass: str = "",
-                          abort_after: int | None = None, abort_delay_s: float = 0.0) -> Result:
+                          abort_after: int | None = None, abort_delay_s: float = 0.0,
+                          res: Result | None = None) -> Result:
     """POST a streaming ``/generate`` and record each token's arrival and the output ids.
     With `abort_after`, close the connection once that many tokens arrived (0: `abort_delay_s`
-    after the response headers did), as a client that goes away mid-stream."""
-    res = Result(klass, time.perf_counter() - t0)
+    after the response headers did), as a client that goes away mid-stream. `res`: the
+    Result to fill (a caller that watches tokens arrive while the stream runs)."""
+    if res is None:
+        res = Result(klass, time.perf_counter() - t0)
     seen = 0
     try:
         async with session.post(url + "/generate", json={**body, "stream": True}) as r:

@@ -43,6 +43,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any, ClassVar
 
+from .. import threads
 from . import control
 from .config import BackendConfig
 from .errors import DeadlineExceeded, DescriptorError, PeerLostError, TransferError, UnsupportedMemory
@@ -90,7 +91,9 @@ class TransferBackend(ABC):
                                 attach=self._native_connect, detach=self._detach_peer, credit=self._tracker.add)
         self._closed = False
         try:
-            self._native_open()
+            # threads the library starts now (UCX's, Mooncake's, a provider's) are ours
+            with threads.native_scope(f"{self.name}-lib"):
+                self._native_open()
         except BaseException:
             self._tracker.close("open failed")
             raise
@@ -124,6 +127,10 @@ class TransferBackend(ABC):
     def _native_post(self, peer: Peer, batch_id: int, writes: Sequence[PageWrite], imm: int) -> None: ...
     @abstractmethod
     def _native_close(self) -> None: ...
+
+    def _kick(self) -> None:
+        """A write was posted or an expectation set: a backend whose progress thread sleeps
+        while nothing can arrive (idle.IdleGate) wakes it here."""
 
     def _native_stats(self) -> dict[str, int]:
         return {}
@@ -273,6 +280,7 @@ class TransferBackend(ABC):
             with self._lock:
                 self._batches.pop(batch_id, None)
             raise
+        self._kick()
         if not fut.done():  # its own deadline, on the tracker's timer thread
             key = ("batch", batch_id)
             self._tracker.watch(key, time.monotonic() + self.config.batch_timeout_s, lambda: self._expire(batch_id))
@@ -313,7 +321,9 @@ class TransferBackend(ABC):
                 fut.set_exception(PeerLostError(f"peer {peer.address} is {peer.state.value}"))
                 return fut
             peer = peer.id
-        return self._tracker.expect(tag, count, timeout_s, peer)
+        fut = self._tracker.expect(tag, count, timeout_s, peer)
+        self._kick()
+        return fut
 
     def forget(self, tag: int) -> None:
         self._tracker.forget(tag)

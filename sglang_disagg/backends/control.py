@@ -33,6 +33,7 @@ from collections.abc import Callable
 
 from . import auth
 from .errors import PeerLostError, TransferError
+from ..threads import Thread as NamedThread
 
 logger = logging.getLogger("sglang_disagg.backends")
 
@@ -89,7 +90,7 @@ class ControlConn:
         self._send_lock = threading.Lock()
         self._closed = threading.Event()
         self._released = threading.Lock()
-        self._reader = threading.Thread(target=self._read_loop, name="control-reader", daemon=True)
+        self._reader = NamedThread(target=self._read_loop, name="control-reader", daemon=True)
 
     def start(self) -> None:
         if self.dialed:
@@ -231,7 +232,7 @@ class ControlServer:
         self._on_accept = on_accept
         self._slots = threading.BoundedSemaphore(max_connections)
         self.refused = 0
-        self._thread = threading.Thread(target=self._loop, name="control-accept", daemon=True)
+        self._thread = NamedThread(target=self._loop, name="control-accept", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:

@@ -51,6 +51,7 @@ from .base import TransferBackend
 from .errors import BackendUnavailable, DescriptorError, PeerLostError, TransferError, UnsupportedMemory
 from .peers import Peer
 from .regions import Memory, MemoryKind, MemoryRegion, NativeRegistration, PageWrite, RegionDescriptor, RemoteRegion
+from ..threads import Thread as NamedThread
 
 logger = logging.getLogger("sglang_disagg.backends.cudaipc")
 REQUEST, GRANT, REFUSE = "cudaipc-request", "cudaipc-grant", "cudaipc-refuse"
@@ -96,8 +97,8 @@ class CudaIpcBackend(TransferBackend):
         self._post_lock = threading.Lock()   # posts, and a peer's loss, happen in one order
         self._jobs: queue.Queue = queue.Queue()
         self._listener = fdpass.Listener("cudaipc")
-        self._completer = threading.Thread(target=self._complete, name="cudaipc-complete", daemon=True)
-        self._server = threading.Thread(target=self._serve, name="cudaipc-fds", daemon=True)
+        self._completer = NamedThread(target=self._complete, name="cudaipc-complete", daemon=True)
+        self._server = NamedThread(target=self._serve, name="cudaipc-fds", daemon=True)
         self._completer.start()
         self._server.start()
 

@@ -28,6 +28,7 @@ from typing import Any
 
 from .errors import DeadlineExceeded, DescriptorError, PeerLostError, TransferError
 from .future import TransferFuture
+from ..threads import Thread as NamedThread
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ class ExpectTracker:
         # Transport errors that name no request (a CQ error without our context): kept so that
         # an expectation failing at its deadline can say what the transport reported meanwhile.
         self._transport_error: tuple[float, str] | None = None
-        self._timer = threading.Thread(target=self._run_timer, name=f"{name}-deadlines", daemon=True)
+        self._timer = NamedThread(target=self._run_timer, name=f"{name}-deadlines", daemon=True)
         self._timer.start()
 
     def expect(self, tag: int, count: int, timeout_s: float,
@@ -114,6 +115,10 @@ class ExpectTracker:
             del self._waiting[tag]
             self._consume(tag, exp.count)
         exp.future.set_result(exp.count)
+
+    def pending(self) -> bool:
+        """Whether any expectation waits (a progress thread may sleep when none does)."""
+        return bool(self._waiting)
 
     def arrived(self, tag: int) -> int:
         with self._lock:

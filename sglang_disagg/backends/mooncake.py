@@ -33,6 +33,8 @@ from .messages import ForgedNotification, notif_text, parse_notif
 from .errors import BackendUnavailable, DescriptorError, TransferError, UnsupportedMemory
 from .peers import Peer
 from .regions import Memory, MemoryKind, NativeRegistration, PageWrite, RegionDescriptor
+from ..threads import Thread as NamedThread
+from .idle import IdleGate
 
 MAX_ENTRIES = 512
 MAX_BYTES = 32 << 20
@@ -129,7 +131,9 @@ class MooncakeBackend(TransferBackend):
         self._queues: dict[str, queue.Queue] = {}
         self._workers: list[threading.Thread] = []
         self._wlock = threading.Lock()
-        self._notifier = threading.Thread(target=self._notify_loop, name="mooncake-notifies", daemon=True)
+        # only the receiving side's notifications are read here: work = a pending expectation
+        self._gate = IdleGate(self._tracker.pending)
+        self._notifier = NamedThread(target=self._notify_loop, name="mooncake-notifies", daemon=True)
         self._notifier.start()
 
     def _endpoint_info(self) -> dict[str, Any]:
@@ -158,7 +162,7 @@ class MooncakeBackend(TransferBackend):
             q = self._queues.get(peer.id)
             if q is None:
                 q = self._queues[peer.id] = queue.Queue()
-                t = threading.Thread(target=self._work_loop, args=(q,), daemon=True,
+                t = NamedThread(target=self._work_loop, args=(q,), daemon=True,
                                      name=f"mooncake-worker-{peer.id[:8]}")
                 self._workers = [w for w in self._workers if w.is_alive()] + [t]
                 t.start()
@@ -232,8 +236,10 @@ class MooncakeBackend(TransferBackend):
                 with contextlib.suppress(Exception):
                     peer.close()
 
+    def _kick(self) -> None:
+        self._gate.kick()
+
     def _notify_loop(self) -> None:
-        idle = 0
         while not self._stop.is_set():
             got = False
             try:
@@ -254,8 +260,7 @@ class MooncakeBackend(TransferBackend):
                     self._forged(e)
                 except Exception as e:  # noqa: BLE001 - a malformed message costs its sender only
                     self._fail_peer(str(getattr(n, "name", "")), f"unreadable Mooncake notification: {e}")
-            idle = 0 if got else idle + 1
-            time.sleep(0 if idle < 50 else 0.0005)
+            self._gate.after(got)
 
     def _native_stats(self) -> dict[str, int]:
         return {"native_batches": len(self._inflight)}
@@ -265,6 +270,7 @@ class MooncakeBackend(TransferBackend):
             self._stop.set()
             queues, self._queues = list(self._queues.values()), {}
             workers = list(self._workers)
+        self._gate.kick()
         for q in queues:
             q.put(None)
         # One budget for all of them; never join the calling thread (close from a callback).

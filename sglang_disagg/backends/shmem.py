@@ -34,6 +34,7 @@ from .base import TransferBackend
 from .errors import BackendUnavailable, DescriptorError, TransferError, UnsupportedMemory
 from .peers import Peer
 from .regions import Memory, MemoryKind, MemoryRegion, NativeRegistration, PageWrite, RegionDescriptor, RemoteRegion
+from ..threads import Thread as NamedThread
 
 
 def _shm_dir() -> list[int]:
@@ -64,7 +65,7 @@ class ShmemBackend(TransferBackend):
         self._maps: dict[tuple, shm.Mapping] = {}  # (peer id, region id, what it names) -> mapping
         self._maps_lock = threading.Lock()
         self._jobs: queue.Queue = queue.Queue()
-        self._worker = threading.Thread(target=self._work, name="shmem-copy", daemon=True)
+        self._worker = NamedThread(target=self._work, name="shmem-copy", daemon=True)
         self._worker.start()
 
     def _endpoint_info(self) -> dict[str, Any]:

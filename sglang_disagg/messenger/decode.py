@@ -210,6 +210,13 @@ class DecodeMessenger:
     # ----- every iteration ------------------------------------------------------------
     def step(self) -> None:
         self.node.wakeup.clear()
+        if not self.entries and not self._inbox:
+            # Nothing of ours in flight and nothing arrived: the requests decoding hold their
+            # KV and are SGLang's alone, so a decode step pays only this test. (Entries are
+            # the same on every rank, so all ranks skip the collective below together.)
+            if self.ranks.is_leader:
+                self.node.stats_file.publish(self.snapshot)
+            return
         for e in [e for e in self.entries.values() if e.phase is Phase.MEMORY]:
             if not self._allocate(e):
                 break  # first come, first served

@@ -26,6 +26,7 @@ from typing import Any
 
 from ..backends import PeerState, TransferError
 from . import wire
+from ..threads import Thread as NamedThread
 
 logger = logging.getLogger("sglang_disagg.messenger")
 
@@ -81,7 +82,7 @@ class Links:
         self.links = {a: Link(a, recheck_s) for a in addresses}
         self._by_peer: dict[str, Link] = {}
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, args=(link,), name=f"messenger-link-{a}", daemon=True)
+        self._threads = [NamedThread(target=self._run, args=(link,), name=f"messenger-link-{a}", daemon=True)
                          for a, link in self.links.items()]
         for t in self._threads:
             t.start()

@@ -23,6 +23,7 @@ from .kvpool import KVPoolView
 from .metrics import MessengerMetrics
 from .ranks import RankGroup
 from .wakeup import Wakeup
+from ..threads import Thread as NamedThread
 
 logger = logging.getLogger("sglang_disagg.messenger")
 
@@ -152,7 +153,7 @@ class Node:
                     handle(peer, msg)
                 except Exception:  # noqa: BLE001 - one bad message must not stop the reader
                     logger.exception("messenger: handling %s from %s failed", type(msg).__name__, peer.address)
-        self._reader = threading.Thread(target=loop, name="messenger-control", daemon=True)
+        self._reader = NamedThread(target=loop, name="messenger-control", daemon=True)
         self._reader.start()
 
     def _across_versions(self, peer: Any, raw: bytes, error: wire.WireError) -> wire.Message | None:

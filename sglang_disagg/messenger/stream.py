@@ -32,6 +32,7 @@ from typing import Any
 
 from .layers import LayerCounter
 from .planner import WriteGroup
+from ..threads import Thread as NamedThread
 
 logger = logging.getLogger("sglang_disagg.messenger")
 
@@ -79,7 +80,7 @@ class Streamer:
         self.counter, self.num_layers, self._post, self.early = counter, num_layers, post, early
         self._settle = settle or (lambda chunk: None)
         self._queue: queue.Queue[Ticket | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="messenger-stream", daemon=True)
+        self._thread = NamedThread(target=self._run, name="messenger-stream", daemon=True)
         self._thread.start()
 
     def submit(self, chunks: list[Chunk]) -> Ticket:

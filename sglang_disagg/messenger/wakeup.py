@@ -14,12 +14,17 @@ import os
 class Wakeup:
     def __init__(self) -> None:
         self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.pending = False  # set() since the last clear(): lets clear() skip its syscall
 
     def set(self) -> None:
+        self.pending = True
         with contextlib.suppress(OSError):
             os.eventfd_write(self.fd, 1)
 
     def clear(self) -> None:
+        if not self.pending:
+            return
+        self.pending = False  # before the read: a set() racing with it leaves the fd readable
         with contextlib.suppress(BlockingIOError, OSError):
             os.eventfd_read(self.fd)
 

@@ -3,11 +3,14 @@ exactly the greedy tokens of one colocated server, on every transfer backend (sh
 libfabric tcp, NIXL, Mooncake), with prefill TP 2 -> decode TP 1 and 1 -> 2, on three
 architectures (Llama, Qwen3, Qwen2), streaming each layer's KV as the prefill forward
 passes it (the default) over several prefill chunks; and SGLang's own PD path (upstream
-mode, the comparison baseline) does too."""
+mode, the comparison baseline) does too. And an idle decoder costs nothing for the
+messenger: its threads of ours sleep, its scheduler thread spins no more than SGLang's
+own PD decoder's."""
 
 from __future__ import annotations
 
 import pytest
+from harness import threadcpu
 
 from sglang_disagg.launch import Mode
 
@@ -16,6 +19,8 @@ from .conftest import StackSpec, assert_same, run_concurrent, run_sequential
 pytestmark = pytest.mark.e2e
 
 CONFIGS = [
+    # First: its idle decoder is the baseline of test_an_idle_decoder_costs_nothing.
+    pytest.param(StackSpec(mode=Mode.UPSTREAM, backend="mooncake"), id="upstream-mooncake"),
     pytest.param(StackSpec(backend="libfabric", provider="tcp"), id="messenger-libfabric-tcp"),
     pytest.param(StackSpec(backend="nixl"), id="messenger-nixl"),
     pytest.param(StackSpec(backend="mooncake"), id="messenger-mooncake"),
@@ -23,7 +28,6 @@ CONFIGS = [
     pytest.param(StackSpec(backend="libfabric", provider="tcp", decode_tp=2), id="messenger-libfabric-tcp-tp1-tp2"),
     pytest.param(StackSpec(backend="nixl", model="tiny-qwen3"), id="messenger-nixl-qwen3"),
     pytest.param(StackSpec(backend="shmem", model="tiny-qwen2"), id="messenger-shmem-qwen2"),
-    pytest.param(StackSpec(mode=Mode.UPSTREAM, backend="mooncake"), id="upstream-mooncake"),
     # Last, so that test_messenger.py reuses this stack (the launcher's default).
     pytest.param(StackSpec(backend="shmem"), id="messenger-shmem"),
 ]
@@ -54,3 +58,37 @@ def test_concurrent_matches_colocated(pd):
         for role, tp in (("prefill", stack.cfg.prefill_tp), ("decode", stack.cfg.decode_tp)):
             node = stack.messenger_stats(role)  # one messenger per server, whatever its TP
             assert (node["tp"], node["backends"], node["ranks_driven"]) == (tp, 1, tp)
+
+
+# The threads each backend's idle decoder must have (named by sglang_disagg.threads); a
+# missing one means a rename or a thread that no longer starts, and would let this test
+# measure nothing. Common to all: the control plane's heartbeat, acceptor and readers, the
+# messenger's control reader and its link to the prefill server (named after its address).
+COMMON_THREADS = {"sd:ctl-beat", "sd:ctl-acc", "sd:ctl-reader", "sd:msg-ctl", "sd:msg-link-127"}
+BACKEND_THREADS = {"libfabric": {"sd:fab-prog", "sd:fab-wdog"}, "nixl": {"sd:nixl-prog"},
+                   "mooncake": {"sd:mc-note", "sd:mc-lib"}, "shmem": {"sd:shmem-copy"}}
+IDLE_WINDOW_S = 5.0
+_idle_scheduler: dict[str, float] = {}  # stack label -> its busiest scheduler thread, % of a core
+
+
+def test_an_idle_decoder_costs_nothing(pd):
+    """Idle (the requests above finished), a decode server's threads of ours use under 1 %
+    of a core together, and its scheduler thread at most 1 % more than SGLang's own PD
+    decoder's idle scheduler (measured first, in the upstream stack)."""
+    stack, _, _ = pd
+    decoder = next(p for p in stack.servers if p.spec.name == "decode")
+    threads = threadcpu.measure(decoder.pid, IDLE_WINDOW_S)
+    table = threadcpu.by_name(threads)
+    scheduler = max(t.percent for t in threads if t.scheduler)
+    if stack.cfg.mode is Mode.UPSTREAM:
+        _idle_scheduler["upstream"] = scheduler
+        assert not any(t.ours for t in threads), table  # SGLang's PD decoder runs nothing of ours
+        return
+    names = {t.name for t in threads}
+    missing = (COMMON_THREADS | BACKEND_THREADS[stack.cfg.transfer_backend]) - names
+    assert not missing, f"threads not found by name: {sorted(missing)}; the decoder has {sorted(names)}"
+    ours = sum(t.percent for t in threads if t.ours)
+    assert ours < 1.0, f"our threads used {ours:.2f} % of a core over {IDLE_WINDOW_S} s idle: {table}"
+    baseline = _idle_scheduler["upstream"]  # KeyError: the upstream stack did not run first
+    assert scheduler <= baseline + 1.0, (f"idle scheduler thread {scheduler:.2f} % of a core, SGLang's PD "
+                                         f"decoder's {baseline:.2f} %: {table}")

@@ -43,11 +43,16 @@ from .native import ESTUCK, EndpointStuck, address_of, endpoint_info, ffi, lib, 
 from .native import Errbuf as _Errbuf
 from .native import check as _check
 from .native import need_shim as _need_shim
+from ...threads import Thread as NamedThread
 
 PROVIDERS = {"tcp": "tcp;ofi_rxm", "net": "net", "efa": "efa", "verbs": "verbs;ofi_rxm",
              "sockets": "sockets"}
 _EVENTS = 256
-_POLL_US = 2000
+# How long one shim_poll call may wait when nothing happens. An idle endpoint sleeps in the
+# kernel inside it (the CQ's wait fd; a post or close wakes it), so this only bounds how
+# often the thread retakes the GIL to look at `stop`: rarely, so it never competes with
+# the scheduler for the GIL between decode steps.
+_POLL_US = 250_000
 _EV_BATCH, _EV_IMM, _EV_ASYNC, _EV_TAG_FAILED = 1, 2, 3, 4
 log = logging.getLogger(__name__)
 
@@ -127,7 +132,7 @@ class LibfabricBackend(Healing, TransferBackend):
 
     def _start_poller(self) -> None:
         self._stop = threading.Event()
-        self._poller = threading.Thread(target=self._poll_loop, args=(self._ep, self._stop),
+        self._poller = NamedThread(target=self._poll_loop, args=(self._ep, self._stop),
                                         name="libfabric-progress", daemon=True)
         self._poller.start()
 

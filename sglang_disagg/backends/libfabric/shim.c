@@ -9,6 +9,10 @@
  * shim_post's back-off, the poller), then closes the fids. The struct itself (and its mutex)
  * stays valid until shim_free, so a Python thread that calls in after close gets a clean
  * -FI_ESHUTDOWN instead of touching freed memory.
+ * Idle: once nothing has moved for IDLE_BLOCK_NS and no write of ours is in flight, the poller
+ * blocks in poll(2) on the CQ's wait fd (fi_trywait first, as libfabric requires) and on an
+ * eventfd that a post or close signals, so an idle endpoint costs no wake-ups and its Python
+ * thread no GIL hand-offs; a provider without a wait fd keeps the back-off below.
  * Stuck: a thread that never comes back out of the provider keeps the mutex for good. Only the
  * poller waits for the mutex without bound; every other caller gives up with -SHIM_ESTUCK once the
  * holder has made no progress for SHIM_STUCK_MS, and so does shim_close, which then leaves the
@@ -18,7 +22,10 @@
 #endif
 #include <errno.h>
 #include <pthread.h>
+#include <poll.h>
+#include <sys/eventfd.h>
 #include <sys/random.h>
+#include <unistd.h>
 #include <sched.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -39,6 +46,9 @@
 #define N_RECV 256
 #define CQ_BATCH 64
 #define POST_STALL_NS (10LL * 1000000000LL)
+/* Traffic this recent keeps the poller in its back-off (a stream of layer writes has gaps of
+ * a layer's compute); longer quiet and it blocks in the kernel until something arrives. */
+#define IDLE_BLOCK_NS (20LL * 1000000LL)
 #define STUCK_NS ((int64_t)SHIM_STUCK_MS * 1000000LL)
 /* A bounded caller waits for the mutex in slices, and gives up once the holder has made no
  * progress for STUCK_NS (or, if holders keep changing without ever letting it in, after
@@ -103,6 +113,9 @@ struct shim_ep {
     struct shim_op recv_ops[N_RECV];
     char async_msg[192]; int async_status;
     int64_t last_activity;           /* ns; last post or completion, drives idle back-off */
+    int wait_fd;                     /* the CQ's FI_WAIT_FD, or -1: the provider has none */
+    int wake_fd;                     /* eventfd: a post or close wakes a blocked poller */
+    int blocked;                     /* atomic: the poller is (about to be) in poll(2) */
     struct peer_tab postable;        /* in this endpoint's AV and not abandoned: posts to any other
                                       * address (a lost peer's, another endpoint's) are refused */
     struct tag_err *tag_errs; size_t n_tag_errs, cap_tag_errs;  /* failed remote writes, by tag */
@@ -373,10 +386,12 @@ static void idle_wait(shim_ep *e) {
 }
 
 static void close_fids(shim_ep *e);
+static void wake_poller(shim_ep *e);
 
 /* Frees the struct; only for an endpoint nobody else can reach (failed open, shim_free). */
 static void destroy(shim_ep *e) {
     free(e->mrs); free(e->imms); free(e->postable.v); free(e->tag_errs);
+    if (e->wake_fd >= 0) close(e->wake_fd);
     pthread_cond_destroy(&e->idle);
     pthread_mutex_destroy(&e->lock);
     free(e);
@@ -393,6 +408,8 @@ int shim_open(const char *prov, const char *node, int hmem, shim_ep **out, char 
     if (!e || !hints) { set_err(err, errlen, "alloc", -FI_ENOMEM); free(e); fi_freeinfo(hints); return -FI_ENOMEM; }
     pthread_mutex_init(&e->lock, NULL);
     pthread_cond_init(&e->idle, NULL);
+    e->wait_fd = -1;
+    e->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     e->live.next = e->live.prev = &e->live;
     hints->caps = FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_MSG;
     hints->mode = FI_CONTEXT | FI_CONTEXT2 | FI_RX_CQ_DATA;
@@ -419,8 +436,16 @@ int shim_open(const char *prov, const char *node, int hmem, shim_ep **out, char 
     if ((ret = fi_domain(e->fabric, fi, &e->domain, NULL))) { set_err(err, errlen, "fi_domain", ret); goto fail; }
     struct fi_av_attr av_attr = { .type = FI_AV_UNSPEC };
     if ((ret = fi_av_open(e->domain, &av_attr, &e->av, NULL))) { set_err(err, errlen, "fi_av_open", ret); goto fail; }
-    struct fi_cq_attr cq_attr = { .format = FI_CQ_FORMAT_DATA, .wait_obj = FI_WAIT_NONE };
-    if ((ret = fi_cq_open(e->domain, &cq_attr, &e->cq, NULL))) { set_err(err, errlen, "fi_cq_open", ret); goto fail; }
+    /* A wait fd lets the idle poller sleep in the kernel; a provider that has none (or an
+     * eventfd we could not make) falls back to a CQ without one and the timed back-off. */
+    struct fi_cq_attr cq_attr = { .format = FI_CQ_FORMAT_DATA, .wait_obj = FI_WAIT_FD };
+    if (e->wake_fd < 0 || fi_cq_open(e->domain, &cq_attr, &e->cq, NULL) ||
+        fi_control(&e->cq->fid, FI_GETWAIT, &e->wait_fd)) {
+        if (e->cq) { fi_close(&e->cq->fid); e->cq = NULL; }
+        e->wait_fd = -1;
+        cq_attr.wait_obj = FI_WAIT_NONE;
+        if ((ret = fi_cq_open(e->domain, &cq_attr, &e->cq, NULL))) { set_err(err, errlen, "fi_cq_open", ret); goto fail; }
+    }
     if ((ret = fi_endpoint(e->domain, fi, &e->ep, NULL))) { set_err(err, errlen, "fi_endpoint", ret); goto fail; }
     if ((ret = fi_ep_bind(e->ep, &e->av->fid, 0))) { set_err(err, errlen, "fi_ep_bind(av)", ret); goto fail; }
     if ((ret = fi_ep_bind(e->ep, &e->cq->fid, FI_TRANSMIT | FI_RECV))) { set_err(err, errlen, "fi_ep_bind(cq)", ret); goto fail; }
@@ -736,6 +761,8 @@ int shim_post(shim_ep *e, uint64_t batch_id, uint64_t peer, size_t n,
     ret = n ? post_locked(e, b, n, mr, src_off, raddr, rkey, len, imm, &held, err, errlen) : 0;
     if (n == 0) { b->next = e->done_head; e->done_head = b; }
     if (held) leave(e);
+    /* its completions (and, on manual-progress providers, its data) need the poller */
+    wake_poller(e);
     return ret;
 }
 
@@ -773,16 +800,48 @@ static int collect(shim_ep *e, shim_event *ev, int cap) {
     return k;
 }
 
+/* Caller holds the lock, found nothing to do. Whether the poller may sleep in the kernel:
+ * quiet for IDLE_BLOCK_NS, none of our writes in flight (their completions need our
+ * progress calls on manual-progress providers), and libfabric agrees (fi_trywait). */
+static int may_block(shim_ep *e) {
+    if (e->wait_fd < 0 || e->live.next != &e->live || e->n_unposted) return 0;
+    if (now_ns() - __atomic_load_n(&e->last_activity, __ATOMIC_RELAXED) < IDLE_BLOCK_NS) return 0;
+    __atomic_store_n(&e->blocked, 1, __ATOMIC_SEQ_CST);
+    struct fid *f = &e->cq->fid;
+    if (fi_trywait(e->fabric, &f, 1) == FI_SUCCESS) return 1;
+    __atomic_store_n(&e->blocked, 0, __ATOMIC_SEQ_CST);
+    return 0;
+}
+
+static void wake_poller(shim_ep *e) {
+    uint64_t one = 1;
+    if (__atomic_load_n(&e->blocked, __ATOMIC_SEQ_CST) && e->wake_fd >= 0)
+        (void)!write(e->wake_fd, &one, sizeof one);
+}
+
+/* Outside the lock: until the CQ's fd or the eventfd is readable, or `end`. */
+static void block_until(shim_ep *e, int wait_fd, int64_t end) {
+    struct pollfd fds[2] = { { wait_fd, POLLIN, 0 }, { e->wake_fd, POLLIN, 0 } };
+    int64_t left = end - now_ns();
+    if (left > 0 && !closing(e)) (void)poll(fds, 2, (int)((left + 999999) / 1000000));
+    uint64_t v;
+    if (fds[1].revents & POLLIN) (void)!read(e->wake_fd, &v, sizeof v);
+    __atomic_store_n(&e->blocked, 0, __ATOMIC_SEQ_CST);
+}
+
 int shim_poll(shim_ep *e, shim_event *ev, int cap, int timeout_us) {
     int64_t end = now_ns() + (int64_t)timeout_us * 1000;
     for (;;) {
         if (enter_poller(e)) return -FI_ESHUTDOWN;
         int got = drain(e);
         int k = collect(e, ev, cap);
+        int block = !k && !got && may_block(e);
+        int wait_fd = e->wait_fd;
         leave(e);
         if (k) return k;
-        if (now_ns() >= end) return 0;
-        if (!got) idle_wait(e);
+        if (now_ns() >= end) { if (block) __atomic_store_n(&e->blocked, 0, __ATOMIC_SEQ_CST); return 0; }
+        if (block) block_until(e, wait_fd, end);
+        else if (!got) idle_wait(e);
     }
 }
 
@@ -894,6 +953,7 @@ int shim_close(shim_ep *e) {
     if (!e) return 0;
     /* refuse new callers, even while a stuck one holds the mutex; those inside notice it and leave */
     __atomic_store_n(&e->closing, 1, __ATOMIC_SEQ_CST);
+    wake_poller(e);
     int ret = lock_bounded(e, STUCK_NS);
     if (ret) return ret;
     int64_t end = now_ns() + STUCK_NS;
