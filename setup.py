@@ -8,5 +8,7 @@ from setuptools import setup
 
 setup(
     cffi_modules=["sglang_disagg/backends/libfabric/_build.py:ffibuilder"],
-    package_data={"sglang_disagg.backends.libfabric": ["shim.c", "shim.h"]},
+    package_data={"sglang_disagg.backends.libfabric": ["shim.c", "shim.h"],
+                  # the vendored CRDs the rendered manifests are validated against, with their licenses
+                  "sglang_disagg.launch": ["schemas/README.md", "schemas/*/LICENSE", "schemas/*/*.yaml.gz"]},
 )

@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sglang_disagg.launch.keys import HttpKeys
+
 from .netns import Host, Network
 
 UP = re.compile(r"\[sglang-disagg\] up in ([0-9.]+)s")
@@ -131,6 +133,12 @@ class Deployment:
         file = root / "deployment.toml"
         file.write_text("\n".join(lines))
         return cls(net, layout, file, root, port)
+
+    @property
+    def keys(self) -> HttpKeys:
+        """The HTTP keys every node derives from the deployment's secret file (its hosts are not
+        loopback: keys are on, sglang_disagg/launch/keys.py)."""
+        return HttpKeys.derive((self.root / "secret").read_text().strip().encode())
 
     @property
     def url(self) -> str:

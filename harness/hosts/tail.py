@@ -157,7 +157,8 @@ class Probe:
         """Seconds until the answer (max_new_tokens 1: the TTFT), measured inside the router's host."""
         def run() -> float:
             t0 = time.perf_counter()
-            generate_ids(self.dep.url, prompt, 1, timeout=timeout, **({"rid": rid} if rid else {}))
+            generate_ids(self.dep.url, prompt, 1, timeout=timeout, api_key=self.dep.keys.api,
+                         **({"rid": rid} if rid else {}))
             return time.perf_counter() - t0
         return self._inside(run, timeout=timeout + 10)
 

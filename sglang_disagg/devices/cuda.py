@@ -19,7 +19,7 @@ The poller is a Python thread: a pure spin would hold the GIL the scheduler need
 sleeps POLL_S between reads (Linux sleeps ~60 us for that). A native pinned poller, as in
 the production system, would cut that latency; it has not been needed for correctness.
 
-Status: not run on a GPU yet (see README, GPU section); the device check exercises it.
+Status: not run on a GPU yet (docs/gpu.md); the device check exercises it.
 """
 
 from __future__ import annotations

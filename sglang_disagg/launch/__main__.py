@@ -8,7 +8,7 @@ import signal
 import sys
 import time
 
-from sglang_disagg.launch import dryrun, gpu
+from sglang_disagg.launch import dryrun, gpu, keys
 from sglang_disagg.launch.client import chat
 from sglang_disagg.launch.config import LaunchConfig, Mode, Role
 from sglang_disagg.launch.deploy import load as load_deployment
@@ -24,7 +24,8 @@ upstream = SGLang's own PD path (--backend mooncake|nixl), router in PD mode.
 
 Arguments not listed here are passed through to every SGLang server,
 e.g. --chunked-prefill-size 256. Built-in models (random weights, for plumbing,
-tests and benchmarks): tiny-llama (default), tiny-qwen3, tiny-qwen2, small-llama.
+tests and benchmarks): tiny-llama, tiny-qwen3, tiny-qwen2, small-llama, tiny-deepseek-v3;
+smollm2-135m (the default) is a real model converted on first use.
 
 GPUs (--device cuda): prefill on the first --prefill-tp GPUs, decode on the next --decode-tp,
 or sharing GPUs (each with --shared-gpu-fraction of their memory) when there are too few;
@@ -32,7 +33,15 @@ or sharing GPUs (each with --shared-gpu-fraction of their memory) when there are
 (--gpus N plans for a machine with N GPUs).
 
 A deployment file: --config FILE --node NAME starts one of its groups (flags override the
-file); "render k8s|slurm FILE" prints Kubernetes manifests or a Slurm batch script for it."""
+file; with --dry-run, after the checks a start makes that do not depend on this machine);
+"render k8s|ome|slurm FILE [--validate]" prints Kubernetes manifests, OME objects or a Slurm
+batch script for it.
+
+HTTP keys: off loopback (--host, a deployment file) every SGLang server and the router ask for
+keys derived from the deployment's shared secret: clients send the API key (LOG_DIR/api-key,
+said at start) as "Authorization: Bearer KEY"; the admin key (LOG_DIR/admin-key) opens SGLang's
+admin endpoints and the router's /workers. "key api|admin [--secret-file FILE]" prints one,
+derived from the secret. --role all on 127.0.0.1 runs without keys."""
 
 
 # argparse destination -> LaunchConfig field
@@ -46,7 +55,8 @@ FIELDS = {"role": "role", "model_path": "model", "port": "port", "host": "host",
           "stream": "stream", "decode_prefix_reuse": "reuse_prefix",
           "secret_file": "secret_file", "attention_backend": "attention_backend",
           "enable_deterministic_inference": "deterministic", "gpus": "gpus", "prefill_gpus": "prefill_gpus",
-          "decode_gpus": "decode_gpus", "shared_gpu_fraction": "shared_gpu_fraction"}
+          "decode_gpus": "decode_gpus", "shared_gpu_fraction": "shared_gpu_fraction",
+          "tls_cert_path": "tls_cert_path", "tls_key_path": "tls_key_path"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -88,9 +98,12 @@ def _parser() -> argparse.ArgumentParser:
                          "as a plain SGLang server does: clients that parse every line as JSON (SGLang's "
                          "bench_serving) fail on comments")
     ap.add_argument("--secret-file", default=None,
-                    help="messenger: file holding the shared secret every prefill and decode server of the "
-                         "deployment proves to its peers (default for --role all: a new one in the log dir; "
-                         "or set SGLANG_DISAGG_SECRET)")
+                    help="file holding the deployment's shared secret: every prefill and decode server proves it "
+                         "to its peers (messenger), and off loopback every node derives its HTTP keys from it "
+                         "(default for --role all: a new one in the log dir; or set SGLANG_DISAGG_SECRET)")
+    ap.add_argument("--tls-cert-path", default=None,
+                    help="router (--role all/router): serve the front door over HTTPS with this PEM certificate")
+    ap.add_argument("--tls-key-path", default=None, help="router: the PEM private key of --tls-cert-path")
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     ap.add_argument("--attention-backend", default=None,
                     help="default: torch_native on CPU; on CUDA fa3 with the messenger (its KV pool is HND: "
@@ -182,7 +195,7 @@ SMOKE_QUESTION = "What is the capital of France?"  # smollm2-135m, greedy: "The 
 
 def smoke(stack: Stack) -> None:
     t0 = time.monotonic()
-    out = chat(stack.url, SMOKE_QUESTION, stack.cfg.served_model_name, max_tokens=32)
+    out = chat(stack.url, SMOKE_QUESTION, stack.cfg.served_model_name, max_tokens=32, **stack.client_kw)
     dt = time.monotonic() - t0
     n = out["usage"]["completion_tokens"]
     say(f"asked {SMOKE_QUESTION!r} ({n} tokens in {dt * 1000:.0f} ms, {n / dt:.1f} tok/s end to end); answer:")
@@ -205,9 +218,24 @@ def carrier(stack: Stack, wait_s: float = 3.0) -> str:
             f"{stats.get('writes_received', 0)} KV writes received by the decoder")
 
 
+def keys_lines(stack: Stack) -> list[str]:
+    """What a client needs to know about keys, said at start (keys.py)."""
+    if stack.keys is None:
+        return [f"HTTP keys: none; every HTTP port is bound to {stack.cfg.host} (loopback), reachable from this "
+                "machine only"]
+    d = stack.log_dir
+    return [f"HTTP keys: on (HTTP ports of this deployment reach beyond this machine); clients send "
+            f"'Authorization: Bearer <API key>'",
+            f"  API key: {d / keys.API_KEY_FILE} (this project's clients read {keys.API_KEY_ENV}; OpenAI SDKs "
+            f"OPENAI_API_KEY): export {keys.API_KEY_ENV}=$(cat {d / keys.API_KEY_FILE})",
+            f"  admin key (SGLang's admin endpoints, the router's /workers): {d / keys.ADMIN_KEY_FILE}"]
+
+
 def serve(stack: Stack) -> int:
     say(f"serving on {stack.url} (OpenAI-compatible); logs in {stack.log_dir}; Ctrl-C to stop")
-    say("try: curl -s " + stack.url + "/v1/chat/completions -H 'Content-Type: application/json' "
+    auth = f"-H \"Authorization: Bearer $(cat {stack.log_dir / keys.API_KEY_FILE})\" " if stack.keys else ""
+    tls = f"--cacert {stack.cfg.tls_cert_path} " if stack.cfg.tls_cert_path else ""
+    say("try: curl -s " + tls + stack.url + "/v1/chat/completions " + auth + "-H 'Content-Type: application/json' "
         "-d '{\"model\": \"" + stack.cfg.served_model_name + "\", \"messages\": [{\"role\": \"user\", "
         "\"content\": \"" + SMOKE_QUESTION + "\"}], \"max_tokens\": 32, \"temperature\": 0}'")
     while True:
@@ -236,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
         from sglang_disagg.launch.render import main as render
 
         return render(argv[1:])
+    if argv[:1] == ["key"]:
+        return keys.main(argv[1:])
     try:
         cfg, do_smoke, dry_run = parse_run(argv)
         if dry_run:
@@ -257,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
             f"logs in {stack.log_dir}")
         for what, port in cfg.ports.all(cfg.role, cfg.mode).items():
             say(f"  port {port}: {what}")
+        for line in keys_lines(stack):
+            say(line)
         overlap = ephemeral_overlap(cfg)
         if overlap:
             say(f"warning: {overlap}")

@@ -25,10 +25,14 @@ Why each CPU flag is there:
   (its prompt is being prefilled elsewhere) notices its client went away only when this
   wait times out (SGLang's default 4 s); then its pages on both servers are freed.
 - upstream prefill ``--disable-overlap-schedule``: the overlap path records a
-  CUDA event. Messenger servers disable it too, on every device: on CPU a forward
-  runs synchronously, so overlap would only delay a chunk's KV writes by one
+  CUDA event. Messenger prefill servers disable it too, on every device: on CPU a
+  forward runs synchronously, so overlap would only delay a chunk's KV writes by one
   forward; on CUDA the messenger's hooks take a batch's KV as computed once its
-  forward call returned, which under the overlap scheduler it is not yet.
+  forward call returned, which under the overlap scheduler it is not yet. Messenger
+  decoders keep SGLang's overlap scheduler, as SGLang's own PD decoder does (SGLang
+  itself turns it off where it has no overlap path, e.g. speculative decoding on CPU):
+  the messenger's per-iteration work happens on the scheduler thread between steps and
+  touches only requests that have not joined a batch yet.
 - upstream decode ``--disaggregation-decode-retraction-backup cpu_tensor``: the
   default host backup pool calls cudaHostRegister.
 - messenger ``SGLANG_USE_HND_KVCACHE=1`` and ``--page-size 16``: the KV pool
@@ -50,7 +54,7 @@ from pathlib import Path
 
 from sglang_disagg.backends.auth import SECRET_FILE_ENV
 from sglang_disagg.env import CPU_SERVER_ENV, SUBPROCESS_START_ENV
-from sglang_disagg.launch import gpu
+from sglang_disagg.launch import gpu, keys
 from sglang_disagg.launch.config import LaunchConfig, Mode, Role
 from sglang_disagg.messenger.config import ENV as MESSENGER_ENV
 from sglang_disagg.messenger.config import MessengerConfig, MessengerRole
@@ -189,7 +193,9 @@ def messenger_config(cfg: LaunchConfig, role: Role, log_dir: Path | None = None)
 
 
 def _messenger_server(cfg: LaunchConfig, role: Role, argv: list[str], tp: int, log_dir: Path | None) -> tuple:
-    argv += ["--disable-overlap-schedule", "--page-size", str(cfg.kv_page_size)]
+    argv += ["--page-size", str(cfg.kv_page_size)]
+    if role is Role.PREFILL:  # a decoder keeps SGLang's overlap scheduler (module docstring)
+        argv += ["--disable-overlap-schedule"]
     if cfg.device != "cpu":  # on CPU _server_base skips it for every server
         # SGLang's warm-up posts a plain /generate and kills its server unless it gets 200.
         # Prefill: the messenger answers plain requests 503 (only decoders' orders are
@@ -218,6 +224,13 @@ def server_spec(cfg: LaunchConfig, role: Role, model_path: str, builtin: bool,
                 log_dir: Path | None = None) -> ProcessSpec:
     spec = dataclasses.replace(_server_spec(cfg, role, model_path, builtin, log_dir),
                                ports=tuple(cfg.ports.all(role, cfg.mode).items()))
+    if keys.needed(cfg):
+        # Its API and admin keys from a file (keys.py), before the rest: SGLang reads --config
+        # first and lets the command line override it.
+        if log_dir is None:
+            raise ValueError(f"the {spec.name} server's keys go to a file in the log dir: none given")
+        spec = dataclasses.replace(spec, argv=spec.argv[:3] + ("--config", str(keys.server_config(log_dir, spec.name)))
+                                   + spec.argv[3:])
     multinode = any(a in ("--nnodes", "--dist-init-addr") or a.startswith(("--nnodes=", "--dist-init-addr="))
                     for a in cfg.extra_args)
     if log_dir is None or multinode:
@@ -299,7 +312,10 @@ def router_spec(cfg: LaunchConfig) -> ProcessSpec:
     ports = cfg.ports
     decodes = [f"http://{cfg.host}:{ports.decode}"] if cfg.role is Role.ALL else list(cfg.decode_urls)
     late = launcher_registered_workers(cfg)
-    argv = [sys.executable, "-m", "smg.launch_router", "--host", cfg.host, "--port", str(ports.front),
+    # With keys, smg is started in-process with its keys set there (smg_router.py): on its own
+    # command line they would be readable by any user of the machine.
+    module = "sglang_disagg.launch.smg_router" if keys.needed(cfg) else "smg.launch_router"
+    argv = [sys.executable, "-m", module, "--host", cfg.host, "--port", str(ports.front),
             # its metrics listener defaults to 0.0.0.0:29000: keep it on our host and port range
             "--prometheus-host", cfg.host, "--prometheus-port", str(ports.router_metrics)]
     if cfg.mode is Mode.MESSENGER:
@@ -329,7 +345,10 @@ def router_spec(cfg: LaunchConfig) -> ProcessSpec:
     # JSON, SGLang's own bench_serving among them; a colocated server never sends one. Off
     # unless asked for (a deployment behind an idle-timeout proxy sets it below that timeout).
     argv += ["--sse-keepalive-secs", f"{cfg.sse_keepalive_s:g}"]
+    if cfg.tls_cert_path:  # HTTPS on the front door (the router's own listener; workers stay HTTP)
+        argv += ["--tls-cert-path", cfg.tls_cert_path, "--tls-key-path", cfg.tls_key_path]
+    extra = {SECRET_FILE_ENV: cfg.secret_file} if keys.needed(cfg) and cfg.secret_file else {}
     # Pinned with the prefill server: a decode server's cores run decoding only, as on a
     # dedicated decode node, and the router's work lands where a prefill stall costs no ITL.
-    return ProcessSpec("router", tuple(argv), _env(cfg, Role.ROUTER, 1), ports.front, _pinned(cfg, Role.PREFILL),
-                       tuple(ports.all(Role.ROUTER, cfg.mode).items()))
+    return ProcessSpec("router", tuple(argv), _env(cfg, Role.ROUTER, 1, extra), ports.front,
+                       _pinned(cfg, Role.PREFILL), tuple(ports.all(Role.ROUTER, cfg.mode).items()))

@@ -138,7 +138,10 @@ class LaunchConfig:
     sse_keepalive_s: float = 0.0
     stream: bool = True  # messenger: write each layer's pages as the prefill forward passes it
     reuse_prefix: bool = True  # messenger: decoders send only what their radix cache lacks
-    secret_file: str | None = None  # messenger: the deployment's shared secret (None: --role all makes one)
+    secret_file: str | None = None  # the deployment's shared secret (None: --role all makes one); keys.py
+    # the router's front door over HTTPS (smg's --tls-cert-path/--tls-key-path, PEM files on its machine)
+    tls_cert_path: str | None = None
+    tls_key_path: str | None = None
     attention_backend: str | None = None  # None: torch_native on CPU, fa3 on CUDA with the messenger, else SGLang's
     deterministic: bool = False  # --enable-deterministic-inference on every server (equivalence runs)
     # --device cuda (gpu.py): the GPUs of this machine (None: detected), each server's, the share of a shared one
@@ -151,17 +154,26 @@ class LaunchConfig:
     def __post_init__(self) -> None:
         if not 1024 <= self.port <= 65535 - 9:
             raise ValueError(f"--port {self.port}: must be in 1024..65526 (the stack uses port..port+9)")
+        # Whether this machine has the cores for the TP sizes is not checked here: a deployment
+        # file's node may be meant for another machine (checks.check_cores, at start).
         for name, tp in (("--prefill-tp", self.prefill_tp), ("--decode-tp", self.decode_tp)):
             if tp < 1:
                 raise ValueError(f"{name} must be >= 1, got {tp}")
-            if self.device == "cpu" and tp > (os.cpu_count() or 1):
-                raise ValueError(f"{name} {tp} exceeds the {os.cpu_count()} CPU cores of this machine")
         if not 0 <= self.sse_keepalive_s <= 86400:
             raise ValueError(f"--sse-keepalive-secs {self.sse_keepalive_s:g}: must be 0 (none) to 86400 seconds")
         if self.max_total_tokens < 256:
             raise ValueError("--max-total-tokens must be >= 256")
         if self.page_size is not None and self.page_size < 1:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
+        keyed = [a for a in self.extra_args if a.split("=", 1)[0] in ("--api-key", "--admin-api-key")]
+        if keyed:
+            raise ValueError(f"{keyed[0].split('=', 1)[0]}: a key on a command line is readable by any user of the "
+                             f"machine; off loopback the launcher gives every server keys derived from the "
+                             f"deployment's secret, through a file (keys.py)")
+        if bool(self.tls_cert_path) != bool(self.tls_key_path):
+            raise ValueError("--tls-cert-path and --tls-key-path come together: the router's certificate and its key")
+        if self.tls_cert_path and self.role not in (Role.ALL, Role.ROUTER):
+            raise ValueError(f"--tls-cert-path: TLS is the router's (--role all or router), not --role {self.role.value}")
         if self.mode is Mode.UPSTREAM:
             self._check_upstream()
         else:

@@ -8,13 +8,17 @@ group), which prefill groups each decoder may use, and the router.
     backend = "libfabric"
     provider = "tcp"
     port = 30000                  # every group uses the launcher's port plan from here
-    image = "sglang-disagg:latest"  # container image (Kubernetes rendering only)
+    device = "cpu"                # or "cuda"
+    image = "sglang-disagg:latest"  # container image (Kubernetes and OME renderings only)
+    cpu = 4                       # each server pod's cores and memory (renderings only;
+    memory = "16Gi"               #   defaults: pods.server_resources)
 
     [[prefill]]
     name = "prefill-0"
     host = "10.0.0.1"
     tp = 2
     nodes = 1                     # machines in this TP group
+    gpus = 2                      # --device cuda: GPUs on each of its machines (default tp / nodes)
 
     [[decode]]
     name = "decode-0"
@@ -24,21 +28,27 @@ group), which prefill groups each decoder may use, and the router.
     [router]
     host = "10.0.0.9"
     sse_keepalive_secs = 0        # SSE comments on silent streams: 0 none; behind a proxy, below its idle timeout
+    tls_cert_path = "/etc/sglang-disagg/tls.crt"  # optional: HTTPS on the front door (PEM, on the router's machine)
+    tls_key_path = "/etc/sglang-disagg/tls.key"
 
 ``python -m sglang_disagg.launch --config FILE --node NAME`` starts one group (or the
 router, ``--node router``) with flags given on the command line overriding the file;
-``render.py`` turns the same file into Kubernetes manifests and a Slurm batch script.
-A bad file raises DeploymentError naming the field and the reason.
+``render.py`` turns the same file into Kubernetes manifests, OME objects and a Slurm batch script.
+A bad file raises DeploymentError naming the field and the reason, and so does a deployment
+a start of one of its nodes would refuse on any machine (checks.check_deployment: the
+model's shape against the TP sizes, the port plan).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .checks import check_deployment
 from .config import LaunchConfig, Mode, Ports, Role
 
 ROUTER = "router"
@@ -58,6 +68,11 @@ class Group:
     tp: int = 1
     nodes: int = 1
     prefill: tuple[str, ...] = ()  # decode groups: the prefill groups it may use
+    gpus: int | None = None  # --device cuda: GPUs on each of its machines (None: tp / nodes)
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tp // self.nodes
 
 
 @dataclass(frozen=True)
@@ -66,6 +81,8 @@ class Deployment:
     groups: tuple[Group, ...]
     router_host: str
     router_sse_keepalive_s: float = 0.0  # [router] sse_keepalive_secs (LaunchConfig.sse_keepalive_s)
+    router_tls_cert_path: str | None = None  # [router] tls_cert_path / tls_key_path: HTTPS on the front door
+    router_tls_key_path: str | None = None
     mode: Mode = Mode.MESSENGER
     backend: str | None = None
     provider: str | None = None
@@ -75,7 +92,9 @@ class Deployment:
     page_size: int | None = None
     image: str = "sglang-disagg:latest"
     extra_args: tuple[str, ...] = ()
-    secret_file: str | None = None  # the same path (and content) on every prefill and decode machine
+    secret_file: str | None = None  # the same path (and content) on every machine, the router's included
+    cpu: float | None = None  # a server pod's cores (renderings; None: render's default for its ranks)
+    memory: str | None = None  # a server pod's memory, a Kubernetes quantity (None: render's default)
 
     @property
     def ports(self) -> Ports:
@@ -99,17 +118,19 @@ class Deployment:
         common = dict(model=self.model, port=self.port, mode=self.mode, backend=self.backend,
                       provider=self.provider, device=self.device, max_total_tokens=self.max_total_tokens,
                       page_size=self.page_size, extra_args=self.extra_args)
-        if name != ROUTER:
-            common["secret_file"] = self.secret_file
+        common["secret_file"] = self.secret_file  # the router's too: its HTTP keys derive from it (keys.py)
         if name == ROUTER:
             decodes = tuple(f"http://{g.host}:{self.ports.decode}" for g in self.of(Role.DECODE))
             prefills = tuple(f"http://{g.host}:{self.ports.prefill}@{self.ports.bootstrap}"
                              for g in self.of(Role.PREFILL)) if self.mode is Mode.UPSTREAM else ()
             kw = dict(role=Role.ROUTER, host=self.router_host, decode_urls=decodes, prefill_urls=prefills,
-                      sse_keepalive_s=self.router_sse_keepalive_s)
+                      sse_keepalive_s=self.router_sse_keepalive_s, tls_cert_path=self.router_tls_cert_path,
+                      tls_key_path=self.router_tls_key_path)
         else:
             g = self.group(name)
             kw = dict(role=g.role, host=g.host, prefill_tp=g.tp, decode_tp=g.tp)
+            if self.device == "cuda":  # the group's machine, planned as such on any machine
+                kw["gpus"] = g.gpus or g.ranks_per_node
             if g.role is Role.DECODE and self.mode is Mode.MESSENGER:
                 kw["prefill_messengers"] = tuple(self.prefill_messenger(self.group(p)) for p in g.prefill)
         return LaunchConfig(**(common | kw | override))
@@ -117,8 +138,9 @@ class Deployment:
 
 _TOP = {"deployment", "prefill", "decode", "router"}
 _DEPLOYMENT = {"model", "mode", "backend", "provider", "port", "device", "max_total_tokens", "page_size", "image",
-               "extra_args", "secret_file"}
-_GROUP = {"name", "host", "tp", "nodes", "prefill"}
+               "extra_args", "secret_file", "cpu", "memory"}
+_GROUP = {"name", "host", "tp", "nodes", "prefill", "gpus"}
+_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?([KMGTPE]i|[kMGTPE])?$")  # a Kubernetes memory quantity
 
 
 def _typed(where: str, value: Any, kind: type | tuple[type, ...]) -> Any:
@@ -148,13 +170,17 @@ def _group(where: str, t: Any, role: Role) -> Group:
     tp, nodes = _typed(f"{where}.tp", t.get("tp", 1), int), _typed(f"{where}.nodes", t.get("nodes", 1), int)
     if tp < 1 or nodes < 1 or tp % nodes:
         raise DeploymentError(f"{where}: tp {tp} over nodes {nodes} must be >= 1 and split evenly")
+    gpus = t.get("gpus")
+    if gpus is not None and _typed(f"{where}.gpus", gpus, int) < tp // nodes:
+        raise DeploymentError(f"{where}.gpus: {gpus} GPU(s) per machine cannot hold tp {tp} over {nodes} "
+                              f"machine(s): each runs {tp // nodes} rank(s), one per GPU")
     prefill = t.get("prefill", None)
     if prefill is not None and role is not Role.DECODE:
         raise DeploymentError(f"{where}.prefill: only decode groups name prefill groups")
     if prefill is not None:
         prefill = tuple(_typed(f"{where}.prefill[{i}]", p, str) for i, p in enumerate(_typed(f"{where}.prefill",
                                                                                                prefill, list)))
-    return Group(name, role, _typed(f"{where}.host", t["host"], str), tp, nodes, prefill or ())
+    return Group(name, role, _typed(f"{where}.host", t["host"], str), tp, nodes, prefill or (), gpus)
 
 
 def parse(doc: dict) -> Deployment:
@@ -170,6 +196,13 @@ def parse(doc: dict) -> Deployment:
                       ("max_total_tokens", int), ("page_size", int), ("image", str), ("secret_file", str)):
         if key in d:
             kw[key] = _typed(f"deployment.{key}", d[key], kind)
+    if "cpu" in d:
+        kw["cpu"] = float(_typed("deployment.cpu", d["cpu"], (int, float)))
+        if kw["cpu"] <= 0:
+            raise DeploymentError(f"deployment.cpu: {d['cpu']} must be > 0 (cores per server pod)")
+    if "memory" in d and not _QUANTITY.match(_typed("deployment.memory", d["memory"], str)):
+        raise DeploymentError(f"deployment.memory: {d['memory']!r} is not a Kubernetes quantity (e.g. \"16Gi\")")
+    kw["memory"] = d.get("memory")
     if "mode" in d:
         try:
             kw["mode"] = Mode(_typed("deployment.mode", d["mode"], str))
@@ -199,10 +232,18 @@ def parse(doc: dict) -> Deployment:
     router = doc.get("router", {})
     if not isinstance(router, dict):
         raise DeploymentError("[router]: expected a table")
-    _unknown("router", router, {"host", "sse_keepalive_secs"})
+    _unknown("router", router, {"host", "sse_keepalive_secs", "tls_cert_path", "tls_key_path"})
     keepalive = float(_typed("router.sse_keepalive_secs", router.get("sse_keepalive_secs", 0), (int, float)))
+    tls = {f"router_{k}": _typed(f"router.{k}", router[k], str) for k in ("tls_cert_path", "tls_key_path")
+           if k in router}
     dep = Deployment(groups=tuple(groups), router_host=_typed("router.host", router.get("host", "127.0.0.1"), str),
-                     router_sse_keepalive_s=keepalive, **kw)
+                     router_sse_keepalive_s=keepalive, **tls, **kw)
+    for g in groups:
+        if g.gpus is not None and dep.device != "cuda":
+            raise DeploymentError(f"{g.role.value} {g.name!r}: gpus applies to device \"cuda\", not {dep.device!r}")
+        if dep.device == "cuda" and g.nodes > 1:  # gpu.py plans the GPUs of one machine's server
+            raise DeploymentError(f"{g.role.value} {g.name!r}: nodes {g.nodes} on device \"cuda\": the launcher "
+                                  f"places a TP group on one machine's GPUs only; use nodes = 1")
     for name in [g.name for g in groups] + [ROUTER]:  # the launcher's own checks, field by field
         try:
             dep.launch_config(name)
@@ -210,6 +251,10 @@ def parse(doc: dict) -> Deployment:
             raise
         except ValueError as e:
             raise DeploymentError(f"node {name!r}: {e}") from None
+    try:
+        check_deployment(dep.model, dep.mode, dep.ports, dep.groups)
+    except ValueError as e:
+        raise DeploymentError(str(e)) from None
     return dep
 
 

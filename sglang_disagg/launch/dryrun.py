@@ -1,11 +1,16 @@
 """``--dry-run``: what the launcher would start, printed, with nothing started, probed or
-written (no log directory, no secret file, no model generated, no port checked).
+written (no log directory, no secret file, no model generated, no port checked), after the
+checks a real start makes that need none of that (checks.py: the model's shape against the
+TP sizes, the secret; this machine's cores only for a node meant for it). The header says
+what was checked.
 
 For each process: its name, the GPUs it gets (``--device cuda``), the environment
 variables the launcher sets for it (not the rest of the environment, which it inherits)
 and its command line, one shell word each quoted. Works on any machine: with ``--gpus N``
-no GPU is looked for; without it the GPUs visible here are counted, and where there are
-none the plan is made for the fewest GPUs the TP sizes need, and says so.
+no GPU is looked for (a deployment file's node gets its group's GPUs so); without it the
+GPUs visible here are counted for a node meant for this machine, and where there are none,
+or the node is another machine's, the plan is made for the fewest GPUs the TP sizes need,
+and says so.
 """
 
 from __future__ import annotations
@@ -15,10 +20,10 @@ import shlex
 import tempfile
 from pathlib import Path
 
+from sglang_disagg.launch import checks, secret
 from sglang_disagg.launch.commands import ProcessSpec, router_spec, server_spec
 from sglang_disagg.launch.config import LaunchConfig, Mode, Role
 from sglang_disagg.launch.preflight import visible_gpus
-from sglang_disagg.launch.sharding import check_launch
 from sglang_disagg.models import is_builtin
 
 
@@ -35,10 +40,10 @@ def _model_path(cfg: LaunchConfig) -> str:
     return cfg.model
 
 
-def _gpu_count(cfg: LaunchConfig) -> tuple[LaunchConfig, str]:
+def _gpu_count(cfg: LaunchConfig, here: bool) -> tuple[LaunchConfig, str]:
     if cfg.device != "cuda" or cfg.role is Role.ROUTER or cfg.gpus is not None:
         return cfg, f"{cfg.gpus} GPU(s) (--gpus)" if cfg.gpus is not None else ""
-    seen = visible_gpus()
+    seen = visible_gpus() if here else 0  # another machine's node: this one's GPUs say nothing
     if seen:
         return dataclasses.replace(cfg, gpus=seen), f"{seen} GPU(s) (visible here)"
     tps = {Role.ALL: cfg.prefill_tp + cfg.decode_tp, Role.DECODE: cfg.decode_tp}.get(cfg.role, cfg.prefill_tp)
@@ -61,18 +66,18 @@ def _describe(spec: ProcessSpec) -> list[str]:
 
 def render(cfg: LaunchConfig) -> str:
     """The dry run's text. Raises ValueError as the launcher would for a bad configuration."""
-    cfg, gpus = _gpu_count(cfg)
+    checked = checks.dry_run(cfg)
+    cfg, gpus = _gpu_count(cfg, checks.meant_for_here(cfg))
     log_dir = Path(cfg.log_dir) if cfg.log_dir else Path(tempfile.gettempdir()) / f"sglang-disagg-{cfg.role.value}-XXXXXXXX"
-    if cfg.role is Role.ALL and cfg.mode is Mode.MESSENGER and not cfg.secret_file:
+    if cfg.role in secret.SAME_MACHINE and secret.needs_secret(cfg) and not cfg.secret_file:
         cfg = dataclasses.replace(cfg, secret_file=str(log_dir / "secret"))  # made at start, mode 0600
     header = [f"# dry run: --role {cfg.role.value}, {cfg.describe_transfer()}, device {cfg.device}"
               + (f", {gpus}" if gpus else "") + "; nothing is started",
               f"# log dir: {log_dir}" + ("" if cfg.log_dir else " (a new temporary directory at start)")]
+    header += [f"# checked: {line}" for line in checked]
     specs: list[ProcessSpec] = []
     if cfg.role is not Role.ROUTER:
         model = _model_path(cfg)
-        if not is_builtin(cfg.model) and Path(model).is_dir():
-            check_launch(cfg, Path(model))
         roles = [Role.PREFILL, Role.DECODE] if cfg.role is Role.ALL else [cfg.role]
         specs = [server_spec(cfg, r, model, is_builtin(cfg.model), log_dir) for r in roles]
         if cfg.device == "cuda":

@@ -7,12 +7,14 @@ from __future__ import annotations
 import http.client
 import os
 import signal
+import ssl
 import subprocess
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+from sglang_disagg.launch.client import tls_context
 from sglang_disagg.launch.commands import ProcessSpec
 
 
@@ -41,13 +43,26 @@ class ManagedProcess:
     def url(self) -> str:
         # Where it listens: a server bound to a host's address (a deployment file) is not on loopback.
         host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
-        return f"http://{host}:{self.spec.port}"
+        return f"{'https' if self.tls_cert else 'http'}://{host}:{self.spec.port}"
 
     @property
     def host(self) -> str:
         """The address it binds (its --host)."""
+        return self._flag("--host") or "127.0.0.1"
+
+    @property
+    def tls_cert(self) -> str | None:
+        """The certificate a router serving HTTPS presents (its --tls-cert-path)."""
+        return self._flag("--tls-cert-path")
+
+    @property
+    def tls(self) -> ssl.SSLContext | None:
+        """What the launcher's own requests to it trust: its certificate, when it serves HTTPS."""
+        return tls_context(self.tls_cert) if self.tls_cert else None
+
+    def _flag(self, name: str) -> str | None:
         argv = list(self.spec.argv)
-        return argv[argv.index("--host") + 1] if "--host" in argv[:-1] else "127.0.0.1"
+        return argv[argv.index(name) + 1] if name in argv[:-1] else None
 
     @property
     def pid(self) -> int | None:
@@ -76,7 +91,7 @@ class ManagedProcess:
 
     def healthy(self, path: str = "/health", timeout: float = 2.0) -> bool:
         try:
-            with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
+            with urllib.request.urlopen(self.url + path, timeout=timeout, context=self.tls) as r:
                 return r.status == 200
         except (urllib.error.URLError, OSError, http.client.HTTPException):
             # HTTPException: a probe of a port nobody listens on yet can connect to itself

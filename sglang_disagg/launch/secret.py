@@ -1,9 +1,12 @@
-"""The deployment's shared secret for the messenger's control plane (backends/auth.py).
+"""The deployment's shared secret: the messenger's control plane (backends/auth.py) proves it,
+and the HTTP keys (keys.py) derive from it.
 
---role all makes a fresh one per stack, in a 0600 file in the log dir, so nothing needs
-configuring on one machine. Servers started one per machine (--role prefill|decode) must
-share one: --secret-file (or the deployment file's secret_file), or SGLANG_DISAGG_SECRET
-in the environment; without either the launcher stops before starting anything.
+--role all (and colocated, where it needs keys) makes a fresh one per stack, in a 0600 file in
+the log dir, so nothing needs configuring on one machine. Nodes started one per machine
+(--role prefill|decode in messenger mode, and every role whose HTTP ports are reachable from
+other machines, the router included) must share one: --secret-file (or the deployment file's
+secret_file), or SGLANG_DISAGG_SECRET in the environment; without either the launcher stops
+before starting anything.
 """
 
 from __future__ import annotations
@@ -13,30 +16,51 @@ import os
 from pathlib import Path
 
 from sglang_disagg.backends import auth
+from sglang_disagg.launch import keys
 from sglang_disagg.launch.config import LaunchConfig, Mode, Role
+
+SAME_MACHINE = (Role.ALL, Role.COLOCATED)  # every process of the stack here: a fresh secret will do
+
+
+def needs_secret(cfg: LaunchConfig) -> bool:
+    messenger = cfg.mode is Mode.MESSENGER and cfg.role in (Role.ALL, Role.PREFILL, Role.DECODE)
+    return messenger or keys.needed(cfg)
 
 
 def with_secret(cfg: LaunchConfig, log_dir: Path) -> LaunchConfig:
-    if cfg.mode is not Mode.MESSENGER or cfg.role not in (Role.ALL, Role.PREFILL, Role.DECODE):
-        return cfg
-    if cfg.secret_file:
-        try:  # readable and long enough, or say why before any server starts
-            auth.load_secret({auth.SECRET_FILE_ENV: cfg.secret_file})
-        except auth.AuthError as e:
-            raise ValueError(f"--secret-file: {e}") from None
-        return cfg
-    if cfg.role is Role.ALL:
+    if cfg.role in SAME_MACHINE and not cfg.secret_file and needs_secret(cfg):
         path = log_dir / "secret"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(auth.new_secret() + "\n")
         return dataclasses.replace(cfg, secret_file=str(path))
+    check(cfg)
+    return cfg
+
+
+def check(cfg: LaunchConfig, read_file: bool = True) -> None:
+    """What with_secret refuses, writing nothing: a messenger server started on its own, and any
+    node whose HTTP ports reach beyond this machine, needs the deployment's secret (a file, or
+    SGLANG_DISAGG_SECRET), long enough. `read_file` False: the file lies on the node's machine,
+    not this one (the dry run of another node)."""
+    if not needs_secret(cfg):
+        return
+    if cfg.secret_file:
+        if read_file:  # readable and long enough, or say why before any server starts
+            try:
+                auth.load_secret({auth.SECRET_FILE_ENV: cfg.secret_file})
+            except auth.AuthError as e:
+                raise ValueError(f"--secret-file: {e}") from None
+        return
+    if cfg.role in SAME_MACHINE:
+        return  # with_secret makes one at start
     try:
-        secret = auth.load_secret({auth.SECRET_ENV: os.environ.get(auth.SECRET_ENV, "")})
+        secret = auth.load_secret({k: os.environ.get(k, "") for k in (auth.SECRET_ENV, auth.SECRET_FILE_ENV)})
     except auth.AuthError as e:
         raise ValueError(str(e)) from None
     if secret is None:
-        raise ValueError(f"--role {cfg.role.value} in messenger mode needs the deployment's shared secret: "
-                         f"--secret-file PATH (the same file content on every prefill and decode node) or "
-                         f"{auth.SECRET_ENV} in the environment")
-    return cfg
+        why = ("in messenger mode" if cfg.mode is Mode.MESSENGER and cfg.role is not Role.ROUTER
+               else f"on {cfg.host} (its HTTP keys derive from it)")
+        raise ValueError(f"--role {cfg.role.value} {why} needs the deployment's shared secret: --secret-file PATH "
+                         f"(the same file content on every node of the deployment) or {auth.SECRET_ENV} in the "
+                         f"environment")

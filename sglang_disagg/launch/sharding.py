@@ -1,6 +1,7 @@
 """Whether a model can be sharded by the TP sizes asked for, decided from its config.json
 before any server starts (`check` is pure: the config and the machine's core count come in;
-`check_launch` reads them for a launch configuration, for the launcher and the dry run alike).
+`check_config` takes a launch configuration, with this machine's cores only for servers meant
+to run here; `check_launch` reads the config.json of a model directory for the launcher).
 
 SGLang shards attention by heads (QKVParallelLinear: query heads divide by TP; KV heads
 divide by TP, or TP by KV heads, which then replicates them) and the MLP by its
@@ -102,14 +103,28 @@ def check(model: str, cfg: dict[str, Any], tps: dict[str, int], cpus: int | None
                              f"({shape.describe()}): {reason}")
 
 
+def launch_tps(cfg: LaunchConfig) -> dict[str, int]:
+    """The TP sizes of the servers a launch configuration starts, by flag."""
+    return {Role.ALL: {"--prefill-tp": cfg.prefill_tp, "--decode-tp": cfg.decode_tp},
+            Role.PREFILL: {"--prefill-tp": cfg.prefill_tp}, Role.DECODE: {"--decode-tp": cfg.decode_tp},
+            Role.COLOCATED: {"--prefill-tp": cfg.prefill_tp}, Role.ROUTER: {}}[cfg.role]
+
+
+def this_machines_cores() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+def check_config(cfg: LaunchConfig, model_cfg: dict[str, Any], here: bool) -> None:
+    """Refuse TP sizes the model (its config.json fields) cannot be sharded by; `here`: the
+    servers run on this machine, so on CPU its cores count too."""
+    cpus = this_machines_cores() if here and cfg.device == "cpu" else None
+    check(cfg.served_model_name, model_cfg, launch_tps(cfg), cpus, cfg.mode is Mode.MESSENGER)
+
+
 def check_launch(cfg: LaunchConfig, model_path: Path) -> None:
     """Refuse TP sizes the model at `model_path` cannot be sharded by, before any server starts."""
-    tps = {Role.ALL: {"--prefill-tp": cfg.prefill_tp, "--decode-tp": cfg.decode_tp},
-           Role.PREFILL: {"--prefill-tp": cfg.prefill_tp}, Role.DECODE: {"--decode-tp": cfg.decode_tp},
-           Role.COLOCATED: {"--prefill-tp": cfg.prefill_tp}}[cfg.role]
     try:
         model_cfg = json.loads((model_path / "config.json").read_text())
     except (OSError, ValueError):
         return  # resolve_model_path checked it exists; SGLang reports a config it cannot read
-    cpus = len(os.sched_getaffinity(0)) if cfg.device == "cpu" else None
-    check(cfg.served_model_name, model_cfg, tps, cpus, cfg.mode is Mode.MESSENGER)
+    check_config(cfg, model_cfg, here=True)

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from sglang_disagg.launch.checks import check_cores
 from sglang_disagg.launch.client import RequestError, generate_ids, post_json
 from sglang_disagg.launch.commands import launcher_registered_workers, router_spec, server_spec
 from sglang_disagg.launch.config import LaunchConfig, Mode, Role
@@ -25,7 +26,7 @@ from sglang_disagg.launch.preflight import check_cuda, check_patches_applied, ch
 from sglang_disagg.messenger.links import REFUSED_MARK
 from sglang_disagg.launch.ports import Listener, listening
 from sglang_disagg.launch.secret import with_secret
-from sglang_disagg.launch import sharding
+from sglang_disagg.launch import keys, sharding
 from sglang_disagg.launch.process import ManagedProcess, StartupError, log_tail
 from sglang_disagg.models import is_builtin, resolve_model_path
 
@@ -35,8 +36,9 @@ LINK_WAIT_S = 20.0
 
 class Stack:
     def __init__(self, cfg: LaunchConfig, servers: list[ManagedProcess], router: ManagedProcess | None,
-                 log_dir: Path, model_path: Path) -> None:
+                 log_dir: Path, model_path: Path, http_keys: keys.HttpKeys | None = None) -> None:
         self.cfg = cfg
+        self.keys = http_keys  # None: loopback only, no keys (keys.py)
         self.servers = servers
         self.router = router
         self.log_dir = log_dir
@@ -47,11 +49,16 @@ class Stack:
 
     @classmethod
     def for_config(cls, cfg: LaunchConfig) -> Stack:
+        check_cores(cfg)
         if cfg.device == "cuda" and cfg.role is not Role.ROUTER and cfg.gpus is None:
             cfg = dataclasses.replace(cfg, gpus=check_cuda(cfg))  # refuses now if CUDA cannot run here
         log_dir = Path(cfg.log_dir) if cfg.log_dir else Path(tempfile.mkdtemp(prefix=f"sglang-disagg-{cfg.role.value}-"))
         log_dir.mkdir(parents=True, exist_ok=True)
         cfg = with_secret(cfg, log_dir)
+        try:
+            http_keys = keys.load(cfg)
+        except keys.KeysError as e:
+            raise ValueError(str(e)) from None
         model_path = Path()
         servers: list[ManagedProcess] = []
         if cfg.role is not Role.ROUTER:
@@ -61,7 +68,9 @@ class Stack:
             roles = [Role.PREFILL, Role.DECODE] if cfg.role is Role.ALL else [cfg.role]
             servers = [ManagedProcess(server_spec(cfg, r, str(model_path), builtin, log_dir), log_dir) for r in roles]
         router = ManagedProcess(router_spec(cfg), log_dir) if cfg.role in (Role.ALL, Role.ROUTER) else None
-        return cls(cfg, servers, router, log_dir, model_path)
+        if http_keys:
+            keys.write(http_keys, log_dir, [p.spec.name for p in servers])
+        return cls(cfg, servers, router, log_dir, model_path, http_keys)
 
     @property
     def processes(self) -> list[ManagedProcess]:
@@ -71,6 +80,13 @@ class Stack:
     def url(self) -> str:
         front = self.router or self.servers[0]
         return front.url
+
+    @property
+    def client_kw(self) -> dict:
+        """What a client of this stack's front door passes to client.py's calls: its API key
+        ("" where there is none, so a caller's SGLANG_DISAGG_API_KEY is not sent), the TLS trust."""
+        front = self.router or self.servers[0]
+        return {"api_key": self.keys.api if self.keys else "", "tls": front.tls}
 
     def start(self, progress: Progress | None = None) -> None:
         if self.cfg.role is not Role.ROUTER:
@@ -112,7 +128,13 @@ class Stack:
 
     def _add_worker(self, url: str) -> None:
         try:
-            post_json(f"{self.router.url}/workers", {"url": url}, timeout=10)
+            # The router's control plane takes the admin key (the API key does not open it). The
+            # worker's API key goes in the body: smg presents its own --api-key only to the
+            # workers named on its command line, and to a worker added here the key its body
+            # names, none without (measured: the decoder answered its discovery requests 401).
+            body = {"url": url} | ({"api_key": self.keys.api} if self.keys else {})
+            post_json(f"{self.router.url}/workers", body, timeout=10, api_key=self.keys.admin if self.keys else "",
+                      tls=self.router.tls)
         except (RequestError, OSError) as e:
             raise StartupError(f"the router on {self.router.url} did not take worker {url}: {e}\n"
                                + log_tail(self.router.log_path)) from None
@@ -183,7 +205,7 @@ class Stack:
                 p.check_alive()
             try:
                 # Two tokens: in messenger mode a 1-token prompt never leaves the decoder.
-                generate_ids(self.url, [1, 2], 1, timeout=30)
+                generate_ids(self.url, [1, 2], 1, timeout=30, **self.client_kw)
                 self._phase("routable")
                 if progress:
                     progress(f"router routes requests on {self.url}")

@@ -27,9 +27,11 @@ def long_prompt(n: int, seed: int) -> list[int]:
 class Call(threading.Thread):
     """One greedy request in the background; `done_at` is when its answer (or error) came."""
 
-    def __init__(self, url: str, prompt: list[int], max_new_tokens: int, timeout: float = 60.0) -> None:
+    def __init__(self, url: str, prompt: list[int], max_new_tokens: int, timeout: float = 60.0,
+                 api_key: str | None = None) -> None:
         super().__init__(daemon=True)
         self.args = (url, prompt, max_new_tokens, timeout)
+        self.api_key = api_key  # a deployment beyond loopback asks for it (sglang_disagg/launch/keys.py)
         self.out: list[int] | None = None
         self.err: BaseException | None = None
         self.done_at = 0.0
@@ -38,7 +40,7 @@ class Call(threading.Thread):
     def run(self) -> None:
         url, prompt, n, timeout = self.args
         try:
-            self.out = generate_ids(url, prompt, n, timeout=timeout)
+            self.out = generate_ids(url, prompt, n, timeout=timeout, api_key=self.api_key)
         except BaseException as e:  # noqa: BLE001 - the test inspects it
             self.err = e
         finally:

@@ -46,6 +46,31 @@ def test_role_all_smoke_runs_through_the_messenger_by_default(tmp_path):
     assert "Prefill batch" in prefill_log
     # Every port the stack opened is listed with its purpose.
     assert "prefill messenger" in r.stdout and "decode server" in r.stdout
+    # On loopback the HTTP ports ask no key, and the launcher says so.
+    assert "HTTP keys: none; every HTTP port is bound to 127.0.0.1 (loopback)" in r.stdout
+
+
+def _this_machines_address() -> str:
+    import psutil
+
+    found = [a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+             if a.family == socket.AF_INET and not a.address.startswith("127.")]
+    assert found, "this test binds a non-loopback address: the machine has none (psutil.net_if_addrs)"
+    return found[0]
+
+
+def test_role_all_off_loopback_asks_keys_and_says_where_a_client_finds_its_own(tmp_path):
+    """Bound to an address other machines reach, the same stack asks every HTTP request for a
+    key; the launcher's own requests (adding the decoder to the router, the routability check,
+    the smoke question) present them, and it says where a client finds the API key."""
+    host = _this_machines_address()
+    r = _launch("--role", "all", "--smoke", "--host", host, "--port", str(next(_ports)), "--log-dir", str(tmp_path))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "HTTP keys: on (HTTP ports of this deployment reach beyond this machine)" in r.stdout
+    assert f"export SGLANG_DISAGG_API_KEY=$(cat {tmp_path}/api-key)" in r.stdout
+    assert "The capital of France is Paris." in r.stdout
+    key = (tmp_path / "api-key").read_text().strip()
+    assert len(key) == 64 and key not in r.stdout + r.stderr
 
 
 def test_upstream_mode_smoke(tmp_path):

@@ -2,7 +2,7 @@
 
     python tests/hosts/client.py JOB.json  ->  prints {"outputs": [[ids]], "kv_bytes": N | null}
 
-JOB: {"url", "prompts", "max_new_tokens", "metrics": "http://decode:port/metrics" | null}. The
+JOB: {"url", "prompts", "max_new_tokens", "metrics": "http://decode:port/metrics" | null, "api_key"}. The
 test process lives in the root namespace, where no host address exists: it asks from inside.
 """
 
@@ -32,7 +32,8 @@ def kv_bytes(url: str | None) -> float | None:
 def main() -> None:
     job = json.loads(open(sys.argv[1]).read())
     out = {"kv_bytes_before": kv_bytes(job.get("metrics"))}
-    out["outputs"] = [generate_ids(job["url"], p, job["max_new_tokens"]) for p in job["prompts"]]
+    out["outputs"] = [generate_ids(job["url"], p, job["max_new_tokens"], api_key=job.get("api_key"))
+                      for p in job["prompts"]]
     out["kv_bytes"] = kv_bytes(job.get("metrics"))
     print(json.dumps(out))
 

@@ -93,7 +93,7 @@ def ask(dep: Deployment, prompts: list[list[int]], from_host: str | None = None)
     job = dep.root / f"job-{next(_runs)}.json"
     metrics = f"http://{dep.net[dep.layout.decode].address}:{Ports(dep.port).decode_metrics}/metrics"
     job.write_text(json.dumps({"url": dep.url, "prompts": prompts, "max_new_tokens": OUTPUT_TOKENS,
-                               "metrics": metrics}))
+                               "metrics": metrics, "api_key": dep.keys.api}))
     r = dep.net[from_host or dep.layout.router].run([sys.executable, str(CLIENT), str(job)], timeout=300)
     assert r.returncode == 0, f"client failed ({r.returncode}):\n{r.stderr[-3000:]}"
     return json.loads(r.stdout)

@@ -6,8 +6,10 @@ UDP, the owning process; the launcher's name for the port from ports.txt in the 
 then, from the outsider host (no secret, nothing of the deployment), dials each port and tries what
 an attacker on the same network would:
 
-- SGLang HTTP servers and the router: /health, /v1/models, /get_server_info, /generate, the
-  router's /workers; metrics endpoints: /metrics. Nothing is promised: they have no authentication.
+- SGLang HTTP servers and the router: without a key, then with the API key a client holds
+  (http_keys.py): promised that every endpoint but /health asks a key, the admin endpoints and the
+  router's control plane take the admin key only, the router serves its API key, no answer holds
+  a key; metrics endpoints: /metrics, no key asked (Prometheus), nothing promised.
 - messenger control ports: the fuzz payloads of tests/e2e/test_fuzz.py, each closed within CLOSE_S,
   and a real backend holding a wrong secret, refused. Promised: they refuse an unauthenticated peer.
 - every other port it reaches (the transfer libraries' listeners): garbage bytes and the library's
@@ -17,7 +19,8 @@ an attacker on the same network would:
 - loopback-bound ports: promised unreachable.
 
 Afterwards the stack must still serve the reference prompts token-exact from the router's host,
-hold no KV page beyond its radix caches, and have lost no node. Each port gets a Row, printed as
+hold no KV page beyond its radix caches, and have lost no node; and neither HTTP key nor the
+secret may show on any process's command line on the machine or in the nodes' logs. Each port gets a Row, printed as
 ``exposure | node | address:port | purpose | from outside | without the secret``. ``check`` asserts
 every promise (all broken ones in one AssertionError, after every row is printed); ``probe`` returns
 the rows and the broken promises without asserting.
@@ -45,6 +48,7 @@ from harness.hosts.deployment import Deployment
 from harness.hosts.netns import Network
 from sglang_disagg.launch.config import Ports
 
+from . import http_keys
 from .conftest import ask
 
 OUTSIDER = Path(__file__).with_name("outsider.py")
@@ -124,38 +128,6 @@ def _dial(x: Listener) -> str:
         return "timed out"
     except OSError as e:
         return f"error: {e}"
-
-
-def _http(url: str, body: dict | None = None) -> str:
-    import urllib.error
-    import urllib.request
-
-    req = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=15) as r:
-            return f"{r.status} ({len(r.read())} B)"
-    except urllib.error.HTTPError as e:
-        return str(e.code)
-    except OSError as e:
-        return type(e).__name__
-
-
-def _http_row(x: Listener) -> str:
-    base = f"http://{x.host}:{x.port}"
-    if "metrics" in x.purpose:
-        import urllib.request
-        text = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
-        served = re.search(r'^\S+_requests_total\{outcome="served"\} (\S+)', text, re.M)
-        return (f"GET /metrics: {sum(1 for ln in text.splitlines() if ln and ln[0] != '#')} samples"
-                + (f" (requests served {served.group(1)})" if served else "") + "; no authentication")
-    got = [f"GET {p} {_http(base + p)}" for p in ("/health", "/v1/models", "/get_server_info")]
-    if x.purpose == "router":  # its control plane: an empty body is refused for what it is, not for who sent it
-        got += [f"GET /workers {_http(base + '/workers')}", f"POST /workers {{}} {_http(base + '/workers', {})}"]
-    generate = {"input_ids": [1, 9, 10], "sampling_params": {"max_new_tokens": 2}}
-    got.append(f"POST /generate {_http(base + '/generate', generate)}")
-    why = "smg: no --control-plane-api-keys" if x.purpose == "router" else "SGLang: no --api-key"
-    return "; ".join(got) + f"; no authentication ({why})"
 
 
 def _ports(host, snapshot: set[str] | None = None) -> set[str]:
@@ -239,7 +211,7 @@ def _row(x: Listener, reach: str, cfg: dict, res: dict, said: dict, fuzz: dict, 
                    f"with a wrong secret: {refusal}", "refuses an unauthenticated peer",
                    max(fuzz[x]) < CLOSE_S and bool(REFUSED.search(refusal)))
     if x in said:
-        return row(said[x])
+        return row(*said[x])
     live = res["attempt"].get(address, "")
     kind = next((v for k, v in KINDS.items() if live.startswith(k)), "")
     unlisted = "" if x.purpose else " (not in the launcher's list)"
@@ -268,7 +240,9 @@ def probe(dep: Deployment, net: Network, outsider: str,
     hostile = [(x, p) for x in control + [y for y in http if "metrics" in y.purpose] for p in PAYLOADS]
     with ThreadPoolExecutor(len(http) + len(hostile) + 1) as pool:
         attempts = pool.submit(_outsider, dep, net, outsider, cfg, control, data)
-        said = {x: pool.submit(inside.call, out, _http_row, x) for x in http}
+        api = http_keys.client_key(dep)
+        said = {x: pool.submit(inside.call, out, http_keys.row, x.host, x.port, x.purpose, api, dep.keys.admin)
+                for x in http}
         took = {xp: pool.submit(inside.call, out, _hostile, f"{xp[0].host}:{xp[0].port}", xp[1]) for xp in hostile}
         res, landed, rc = attempts.result()
         said = {x: f.result() for x, f in said.items()}
@@ -292,8 +266,12 @@ def probe(dep: Deployment, net: Network, outsider: str,
     dead = [n.name for n in dep.nodes.values() if n.proc.poll() is not None]
     if dead:
         failed.append(f"nodes that exited during the probes: {dead}")
+    cmdlines, shown = http_keys.visible(dep)
+    failed += [f"a key where others read it: {s}" for s in shown]
+    where = f"in {len(shown)} place(s)" if shown else f"in none of {cmdlines} command lines and the nodes' logs"
     print(f"\nexposure | {cfg['backend']} | {len(found)} ports, {len(accepted)} reachable from {outsider} | probes "
-          f"{probes_s:.1f}s, then token-exact and pages {time.monotonic() - t0 - probes_s:.1f}s", flush=True)
+          f"{probes_s:.1f}s, then token-exact and pages {time.monotonic() - t0 - probes_s:.1f}s | keys and secret "
+          f"{where}", flush=True)
     for r in rows:
         print(r, flush=True)
     return rows, failed

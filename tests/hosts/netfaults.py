@@ -90,7 +90,7 @@ class NetFaults:
 
     # requests
     def call(self, prompt: list[int], n: int, timeout: float = 60.0) -> HostCall:
-        return HostCall(self.net[LAYOUT.router], self.dep.url, prompt, n, timeout)
+        return HostCall(self.net[LAYOUT.router], self.dep.url, prompt, n, timeout, api_key=self.dep.keys.api)
 
     def mid_transfer(self, node: str, prompt: list[int], n: int) -> HostCall:
         """A request that prefill `node` is writing when this returns."""

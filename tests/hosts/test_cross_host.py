@@ -9,7 +9,9 @@ count is at least the prompts' KV (tokens x layers x 2 x KV heads x head dim x 4
 less the pages its radix cache reused), so neither shared memory nor cross-memory
 attach can have carried it. Then, with the deployment still up, a fourth host that is no
 part of it probes every port of every node (exposure.py) and the stack must still serve
-token-exact.
+token-exact: its HTTP ports ask for keys (http_keys.py: SGLang's /generate, /get_server_info
+and admin endpoints and the router's POST /workers refuse a request without one, the router
+serves a client holding the API key), and no key shows on any process's command line.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ pytestmark = pytest.mark.e2e
 
 
 # Data planes that let a host outside the deployment into registered memory whatever the
-# secret (their protocols carry no authentication: README "Exposure across hosts"). Anything
+# secret (their protocols carry no authentication: docs/security.md, "Exposure across hosts"). Anything
 # else the exposure check finds broken fails the test.
 KNOWN_OPEN = {"nixl": ("UCX tcp interface",), "mooncake": ("Mooncake handshake", "Mooncake TCP transport")}
 

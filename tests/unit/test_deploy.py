@@ -58,6 +58,14 @@ BAD = [
     ("[deployment]\nmodel='tiny-llama'\nbackend='carrier-pigeon'\n[[prefill]]\nname='p'\nhost='h'\n[[decode]]\n"
      "name='d'\nhost='h'\n", "node 'p': --backend 'carrier-pigeon'"),
     ("[deployment\n", "not valid TOML"),
+    ("[deployment]\nmodel='tiny-llama'\ndevice='cuda'\n[[prefill]]\nname='p'\nhost='h'\ntp=2\ngpus=1\n[[decode]]\n"
+     "name='d'\nhost='h'\n", "prefill[0].gpus: 1 GPU(s) per machine cannot hold tp 2 over 1 machine(s)"),
+    ("[deployment]\nmodel='tiny-llama'\n[[prefill]]\nname='p'\nhost='h'\ngpus=1\n[[decode]]\nname='d'\nhost='h'\n",
+     "prefill 'p': gpus applies to device \"cuda\", not 'cpu'"),
+    ("[deployment]\nmodel='tiny-llama'\ndevice='cuda'\n[[prefill]]\nname='p'\nhost='h'\ntp=2\nnodes=2\n[[decode]]\n"
+     "name='d'\nhost='h'\n", "nodes 2 on device \"cuda\": the launcher places a TP group on one machine's GPUs only"),
+    ("[deployment]\nmodel='tiny-llama'\nmemory='16GB'\n", "deployment.memory: '16GB' is not a Kubernetes quantity"),
+    ("[deployment]\nmodel='tiny-llama'\ncpu=0\n", "deployment.cpu: 0 must be > 0"),
 ]
 
 
@@ -97,7 +105,8 @@ def test_kubernetes_manifests_run_the_launcher_with_each_nodes_configuration():
         if w["kind"] == "LeaderWorkerSet":
             template = w["spec"]["leaderWorkerTemplate"]
             assert template["size"] == dep.group(name).nodes
-            container = template["leaderTemplate"]["spec"]["containers"][0]
+            # one machine: the leader is made from workerTemplate (LWS requires it)
+            container = template.get("leaderTemplate", template["workerTemplate"])["spec"]["containers"][0]
             secret = [e for e in container["env"] if e["name"] == "SGLANG_DISAGG_SECRET"]
             assert secret[0]["valueFrom"]["secretKeyRef"] == {"name": "sglang-disagg-secret", "key": "secret"}
         else:
@@ -116,8 +125,10 @@ def test_kubernetes_manifests_run_the_launcher_with_each_nodes_configuration():
 
 
 def test_a_multi_node_group_is_a_leader_worker_set_with_sglangs_multi_node_flags(tmp_path):
-    text = EXAMPLE.read_text().replace("tp = 2\nnodes = 1", "tp = 2\nnodes = 2")
-    dep = parse_doc(__import__("tomllib").loads(text))
+    doc = __import__("tomllib").loads(EXAMPLE.read_text())
+    doc["deployment"]["model"] = "tiny-llama"  # 4 heads / 2 KV heads: TP 2 shards it
+    doc["prefill"][0] |= {"tp": 2, "nodes": 2}
+    dep = parse_doc(doc)
     lws = next(d for d in kubernetes(dep) if d["metadata"]["name"] == "prefill-0")
     template = lws["spec"]["leaderWorkerTemplate"]
     leader = template["leaderTemplate"]["spec"]["containers"][0]["args"]

@@ -1,0 +1,158 @@
+"""The HTTP keys of a deployment: which key opens which port, where each process gets it.
+
+Keys are on whenever an HTTP port is reachable beyond this machine: a process binds an
+address that is not loopback (``--host``, a deployment file, every rendering), or a router's
+workers do (it must present the key to them). ``--role all``/``colocated`` on loopback run
+without keys and say so at start.
+
+Two keys, derived from the deployment's shared secret (secret.py), so every node derives the
+same ones from what it already holds and nothing new is distributed; a new secret rotates them:
+
+- the API key: clients present it to the router (``Authorization: Bearer KEY``), and the
+  router to the SGLang servers. One key for both hops: smg 1.13 forwards the client's
+  Authorization header on the serving path (measured: a tenant key of its own reached the
+  worker as sent, and SGLang, which takes one --api-key, refused it). SGLang then asks it on
+  every endpoint but /health* and /metrics (probes and scrapers need none).
+- the admin key: SGLang's --admin-api-key (its admin endpoints: /flush_cache, weight updates,
+  profiling...; once set they refuse the API key) and smg's control plane
+  (--control-plane-api-keys: /workers, /flush_cache, /get_loads), which the API key does not open.
+
+Never on a command line (any user reads /proc/*/cmdline): SGLang reads them from a YAML file
+given with ``--config`` (0600, in the log dir), smg's router gets them in-process
+(smg_router.py derives them from the secret), and the launcher writes ``api-key`` and
+``admin-key`` (0600) in its log dir for clients and operators.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from sglang_disagg.backends import auth
+from sglang_disagg.launch.client import API_KEY_ENV  # noqa: F401 - what clients read (client.py)
+from sglang_disagg.launch.config import LaunchConfig, Role
+
+API_KEY_FILE = "api-key"
+ADMIN_KEY_FILE = "admin-key"
+ROUTER_ADMIN_ID = "sglang-disagg-admin"  # the control-plane key's id and name in smg's audit log
+_LABEL = b"sglang-disagg http key v1|"
+
+
+class KeysError(ValueError):
+    """No secret to derive the keys from, or one that cannot be read."""
+
+
+def is_loopback(host: str) -> bool:
+    """Reachable from this machine only. 0.0.0.0 and :: are every interface: not loopback."""
+    return host == "localhost" or host.startswith("127.") or host in ("::1", "[::1]")
+
+
+def needed(cfg: LaunchConfig) -> bool:
+    """Whether this node's HTTP ports (or, for a router, its workers') are reachable beyond this machine."""
+    if not is_loopback(cfg.host):
+        return True
+    if cfg.role is not Role.ROUTER:
+        return False
+    urls = [u.partition("@")[0] for u in cfg.decode_urls + cfg.prefill_urls]
+    return any(not is_loopback(urlsplit(u).hostname or "") for u in urls)
+
+
+@dataclass(frozen=True)
+class HttpKeys:
+    """The deployment's two HTTP keys (hex). Left out of repr: a traceback or a log line
+    showing the object must not show them."""
+
+    api: str = field(repr=False)
+    admin: str = field(repr=False)
+
+    def __post_init__(self) -> None:
+        for name, key in (("api", self.api), ("admin", self.admin)):
+            if len(key) < 32 or any(c not in "0123456789abcdef" for c in key):
+                raise ValueError(f"HttpKeys.{name}: expected at least 32 lowercase hex characters")
+        if self.api == self.admin:
+            raise ValueError("HttpKeys: the API key and the admin key must differ (the admin key opens more)")
+
+    @classmethod
+    def derive(cls, secret: bytes) -> HttpKeys:
+        """HMAC-SHA256 of a fixed label per key under the secret: one-way, so a key says
+        nothing about the secret (the messenger's) or about the other key."""
+        def one(name: bytes) -> str:
+            return hmac.new(secret, _LABEL + name, hashlib.sha256).hexdigest()
+        return cls(api=one(b"api"), admin=one(b"admin"))
+
+    def server_yaml(self) -> str:
+        """What SGLang's --config file holds: its two keys, nothing else (the rest stays on
+        the command line, where an operator reads it)."""
+        return f'api-key: "{self.api}"\nadmin-api-key: "{self.admin}"\n'
+
+    def router_admin_entry(self) -> tuple[str, str, str, str]:
+        """smg's control-plane key entry, as RouterArgs holds it: (id, name, key, role)."""
+        return (ROUTER_ADMIN_ID, ROUTER_ADMIN_ID, self.admin, "admin")
+
+
+def load(cfg: LaunchConfig, environ: dict[str, str] | None = None) -> HttpKeys | None:
+    """The keys `cfg` runs with (None: loopback, none needed), from its --secret-file or the
+    environment's SGLANG_DISAGG_SECRET(_FILE). Raises KeysError naming what is missing."""
+    if not needed(cfg):
+        return None
+    return from_secret(cfg.secret_file, environ)
+
+
+def from_secret(secret_file: str | None, environ: dict[str, str] | None = None) -> HttpKeys:
+    env = dict(os.environ if environ is None else environ)
+    if secret_file:
+        env = {auth.SECRET_FILE_ENV: secret_file}
+    try:
+        secret = auth.load_secret(env)
+    except auth.AuthError as e:
+        raise KeysError(f"cannot derive the HTTP keys: {e}") from None
+    if secret is None:
+        raise KeysError(f"the HTTP keys derive from the deployment's shared secret: give --secret-file PATH or set "
+                        f"{auth.SECRET_ENV} (or {auth.SECRET_FILE_ENV})")
+    return HttpKeys.derive(secret)
+
+
+def server_config(log_dir: Path, name: str) -> Path:
+    """The YAML file a server's --config names (SGLang wants the .yaml suffix)."""
+    return log_dir / f"{name}.keys.yaml"
+
+
+def _write_private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # an older file of another mode keeps it otherwise
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+def write(keys: HttpKeys, log_dir: Path, servers: list[str]) -> None:
+    """The files of a node, each 0600: api-key and admin-key (for clients and operators), and
+    each server's --config file."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    _write_private(log_dir / API_KEY_FILE, keys.api + "\n")
+    _write_private(log_dir / ADMIN_KEY_FILE, keys.admin + "\n")
+    for name in servers:
+        _write_private(server_config(log_dir, name), keys.server_yaml())
+
+
+def main(argv: list[str]) -> int:
+    """``python -m sglang_disagg.launch key api|admin [--secret-file FILE]``: one key, derived from
+    the secret (the file, else SGLANG_DISAGG_SECRET(_FILE)), on stdout: for a client on a machine
+    that holds the secret but no launcher's log dir (a Kubernetes pod: ``kubectl exec``)."""
+    import argparse
+    import sys
+
+    ap = argparse.ArgumentParser(prog="python -m sglang_disagg.launch key")
+    ap.add_argument("which", choices=["api", "admin"])
+    ap.add_argument("--secret-file", default=None)
+    args = ap.parse_args(argv)
+    try:
+        http = from_secret(args.secret_file)
+    except KeysError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(http.api if args.which == "api" else http.admin)
+    return 0
