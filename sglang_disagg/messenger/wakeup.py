@@ -17,9 +17,11 @@ class Wakeup:
         self.pending = False  # set() since the last clear(): lets clear() skip its syscall
 
     def set(self) -> None:
-        self.pending = True
+        # the write first: a clear() between the two sees no flag and leaves the fd readable
+        # for one more turn; the other order could leave it readable with no flag for good
         with contextlib.suppress(OSError):
             os.eventfd_write(self.fd, 1)
+        self.pending = True
 
     def clear(self) -> None:
         if not self.pending:
