@@ -17,6 +17,10 @@ from .links import LinkState
 from .metrics import Cause
 
 CANCEL_TIMEOUT_S = 5.0
+# An unanswered cancel goes out again this often on the same connection: a prefill server
+# that released the order while the decoder's old connection was being replaced sent its
+# Released to the old one; asked again, it answers for an order it no longer holds.
+CANCEL_RESEND_S = 1.0
 LOST_VERDICT_S = 1.0  # how long a request lost before any write waits to learn whether its server is gone
 
 
@@ -72,6 +76,7 @@ class Entry:
     release: Release = Release.UNDECIDED  # leader's decision
     cancel_sent: float = 0.0
     cancel_peer: Any = None       # leader: the connection the cancel went out on (resent after a reconnect)
+    cancel_last: float = 0.0      # leader: when the cancel last went out
     first_landed: bool = False    # leader: at least one write of the current tag arrived
     lost: float = 0.0             # leader: when its prefill server's connection was lost (0: it was not)
     route_peer: Any = None        # leader: the link's connection when the order went out
@@ -101,8 +106,11 @@ def release_step(e: Entry, link: Any, now: float) -> Cancel:
     say that the cancel must go out on the link's current connection."""
     if link is None or link.state is LinkState.GONE:
         e.release = Release.FREE  # never asked, or its process is gone: no write can land any more
-    elif link.alive() and e.cancel_peer is not link.peer:  # first cancel, or the link came back
-        e.cancel_sent, e.cancel_peer = e.cancel_sent or now, link.peer
+    elif e.phase is Phase.RELEASE and e.cancel_sent and now - e.cancel_sent > CANCEL_TIMEOUT_S:
+        e.release = Release.QUARANTINE
+    elif link.alive() and (e.cancel_peer is not link.peer  # first cancel, or the link came back
+                           or e.phase is Phase.RELEASE and now - e.cancel_last >= CANCEL_RESEND_S):
+        e.cancel_sent, e.cancel_peer, e.cancel_last = e.cancel_sent or now, link.peer, now
         return Cancel.SEND
     elif e.phase is Phase.RELEASE and now - (e.cancel_sent or e.since) > CANCEL_TIMEOUT_S:
         e.release = Release.QUARANTINE

@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from sglang_disagg.messenger.entry import (CANCEL_TIMEOUT_S, LOST_VERDICT_S, Cancel, Entry, Lost, Phase, Release,
+from sglang_disagg.messenger.entry import (CANCEL_RESEND_S, CANCEL_TIMEOUT_S, LOST_VERDICT_S, Cancel, Entry, Lost, Phase, Release,
                                            lost_verdict, release_step)
 from sglang_disagg.messenger.links import LinkState
 from sglang_disagg.messenger.metrics import Cause
@@ -55,13 +55,16 @@ def test_pages_are_freed_when_no_write_can_land(state):
     assert e.release is Release.FREE
 
 
-def test_the_cancel_goes_out_once_per_connection_then_the_pages_are_quarantined():
+def test_the_cancel_goes_out_per_connection_and_again_until_answered_then_the_pages_are_quarantined():
     e = lost_entry(phase=Phase.RELEASE, since=100.0)
     link = FakeLink(LinkState.READY, "conn-1")
     assert release_step(e, link, 101.0) is Cancel.SEND and e.cancel_sent == 101.0
-    assert release_step(e, link, 102.0) is Cancel.NOTHING and e.release is Release.UNDECIDED
-    link.peer = "conn-2"  # the link came back: the cancel goes out again, its clock keeps running
-    assert release_step(e, link, 103.0) is Cancel.SEND and e.cancel_sent == 101.0
+    assert release_step(e, link, 101.5) is Cancel.NOTHING and e.release is Release.UNDECIDED
+    # Unanswered after CANCEL_RESEND_S: asked again on the same connection (its Released may
+    # have gone to the connection the link replaced); the clock keeps running.
+    assert release_step(e, link, 101.0 + CANCEL_RESEND_S) is Cancel.SEND and e.cancel_sent == 101.0
+    link.peer = "conn-2"  # the link came back: the cancel goes out again at once
+    assert release_step(e, link, 102.2) is Cancel.SEND and e.cancel_sent == 101.0
     assert release_step(e, link, 101.0 + CANCEL_TIMEOUT_S + 0.1) is Cancel.NOTHING
     assert e.release is Release.QUARANTINE
     q = lost_entry(phase=Phase.QUARANTINE, cancel_peer="conn-2", cancel_sent=1.0)
