@@ -96,13 +96,10 @@ async def one_window(url: str, decoder_url: str, decoder_pid: int, batch: int, k
         t = [x for x in r.token_times if start <= x <= end]
         itls += [b - a for a, b in zip(t, t[1:])]
     window = end - start
-    threads: dict[str, float] = {}
-    for key, (_, name, ticks) in after.items():
-        used = (ticks - before.get(key, ("", "", 0))[2]) / threadcpu.HZ
-        threads[name] = round(threads.get(name, 0.0) + 100.0 * used / window, 2)
+    threads = {name: round(share, 2) for name, share in threadcpu.by_name(threadcpu.between(before, after, window)).items()}
     return {"window_s": round(window, 3), "tokens": len(itls), "itl_p50_ms": _ms(pct(itls, 50)),
             "itl_p99_ms": _ms(pct(itls, 99)), "long_first_token_s": long_first and round(long_first - start, 3),
-            "threads_pct": dict(sorted(threads.items(), key=lambda kv: -kv[1])),
+            "threads_pct": threads,
             "ours_pct": round(sum(v for k, v in threads.items() if k.startswith(threadcpu.PREFIX)), 2)}
 
 

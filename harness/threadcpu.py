@@ -80,6 +80,13 @@ def sample(pids: list[int]) -> dict[tuple[int, int], tuple[str, str, int]]:
     return out
 
 
+def between(before: dict, after: dict, window: float) -> list[ThreadCPU]:
+    """Every thread of `after` with the share of a core it used since `before` (a thread born
+    in between counts all its ticks)."""
+    return [ThreadCPU(pid, tid, process, name, 100.0 * (ticks - before.get((pid, tid), ("", "", 0))[2]) / HZ / window)
+            for (pid, tid), (process, name, ticks) in after.items()]
+
+
 def measure(root: int, seconds: float) -> list[ThreadCPU]:
     """Every thread of `root`'s tree, with the share of a core it used over `seconds`."""
     pids = tree(root)
@@ -87,9 +94,7 @@ def measure(root: int, seconds: float) -> list[ThreadCPU]:
     t0 = time.monotonic()
     time.sleep(seconds)
     after = sample(pids)
-    window = time.monotonic() - t0
-    return [ThreadCPU(pid, tid, process, name, 100.0 * (ticks - before.get((pid, tid), ("", "", 0))[2]) / HZ / window)
-            for (pid, tid), (process, name, ticks) in after.items()]
+    return between(before, after, time.monotonic() - t0)
 
 
 def by_name(threads: list[ThreadCPU]) -> dict[str, float]:
