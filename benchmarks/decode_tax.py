@@ -50,6 +50,15 @@ QUICK = ["upstream:mooncake", "messenger:shmem", "messenger:libfabric:tcp"]
 WINDOW_S = 3.0
 WARM_TOKENS = 4
 PROMPT_LEN, LONG_LEN = 8, 1536
+# Each stream may decode this many tokens (windows end long before). SGLang admits a request
+# only while the pool can hold what every running request may still generate (times its
+# new-token ratio): with 4000 tokens each in an 8192-token pool, only 2-3 of B streams ran and
+# the rest queued, so "B" was not the batch. The pool below holds B = 16 such streams.
+MAX_NEW_TOKENS = 1024
+POOL_TOKENS = 65536
+# /v1/loads reads a snapshot SGLang publishes every N decode steps (15 by default): every step
+# here, or the count of running requests checked above and in _drain() lags (both modes alike).
+SERVER_ARGS = ("--load-snapshot-publish-interval", "1")
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -67,7 +76,7 @@ async def one_window(url: str, decoder_url: str, decoder_pid: int, batch: int, k
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
         for i in range(batch):
             prompt = [1] + [(seed * 7919 + i * 104729 + k * 31) % 4000 + 10 for k in range(PROMPT_LEN - 1)]
-            body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 4000, "temperature": 0.0,
+            body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0.0,
                                                              "ignore_eos": True}}
             results.append(Result("decode", time.perf_counter() - t0))
             streams.append(asyncio.create_task(stream_generate(session, url, body, t0, res=results[-1])))
@@ -76,6 +85,12 @@ async def one_window(url: str, decoder_url: str, decoder_pid: int, batch: int, k
         while not all(len(r.token_times) >= WARM_TOKENS for r in results) and time.perf_counter() < deadline:
             await asyncio.sleep(0.01)
         start = time.perf_counter() - t0
+        for _ in range(20):  # a window measures B requests decoding, no more, no fewer
+            if (running := await _running(session, decoder_url)) == batch:
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise RuntimeError(f"B={batch}: the decoder runs {running} requests at the window's start")
         before = threadcpu.sample(threadcpu.tree(decoder_pid))
         long_first = None
         if kv:
@@ -117,6 +132,12 @@ async def _drain(session, decoder_url: str) -> None:
         if not sum(int(x.get("num_running_reqs", 0)) + int(x.get("num_waiting_reqs", 0)) for x in loads):
             return
     raise RuntimeError(f"the decoder on {decoder_url} still runs requests after 40 aborts: {loads}")
+
+
+async def _running(session, decoder_url: str) -> int:
+    async with session.get(decoder_url + "/v1/loads", params={"include": "core"}) as r:
+        loads = (await r.json())["loads"]
+    return sum(int(x.get("num_running_reqs", 0)) for x in loads)
 
 
 def _ms(x: float | None) -> float | None:
@@ -162,7 +183,7 @@ def plot(summary: list[dict], path: Path) -> None:
             ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, label=config)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("requests decoding (B)")
-        ax.set_title("decoder idle" if cond == "idle" else "while another request's KV arrives")
+        ax.set_title("B decoding, nothing arriving" if cond == "idle" else "B decoding while another request's KV arrives")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("ITL p50, ms (median of repeats, range)")
     axes[1].legend(fontsize=8)
@@ -178,7 +199,7 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+")
     ap.add_argument("--batches", nargs="+", type=int)
     ap.add_argument("--repeats", type=int)
-    ap.add_argument("--port", type=int, default=36000)
+    ap.add_argument("--port", type=int, default=29000)
     args = ap.parse_args()
     configs = args.configs or (QUICK if args.quick else CONFIGS)
     batches = args.batches or ([1, 4] if args.quick else [1, 4, 8, 16])
@@ -191,7 +212,9 @@ def main() -> None:
     started = time.time()
     for rep in range(repeats):
         for config in configs:
-            cfg = dataclasses.replace(launch_config(config, MODEL, args.port, logs / f"r{rep}"), pin_cores=True)
+            cfg = dataclasses.replace(launch_config(config, MODEL, args.port, logs / f"r{rep}",
+                                                    max_total_tokens=POOL_TOKENS),
+                                      pin_cores=True, extra_args=SERVER_ARGS)
             with Stack.for_config(cfg) as stack:
                 decoder = next(p for p in stack.servers if p.spec.name == "decode")
                 for batch in batches:
@@ -206,7 +229,8 @@ def main() -> None:
     summary = summarize(runs)
     result = {"host": platform.node(), "cpus": os.cpu_count(), "model": MODEL, "time": time.strftime(
         "%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)), "duration_s": round(time.time() - started),
-        "window_s": WINDOW_S, "prompt_len": PROMPT_LEN, "long_len": LONG_LEN, "configs": configs,
+        "window_s": WINDOW_S, "prompt_len": PROMPT_LEN, "long_len": LONG_LEN,
+        "max_new_tokens": MAX_NEW_TOKENS, "pool_tokens": POOL_TOKENS, "server_args": SERVER_ARGS, "configs": configs,
         "batches": batches, "repeats": repeats,
         "layout": "--role all --pin-cores: prefill + router + client on core 0, decode server on core 1",
         "summary": summary, "runs": runs}
