@@ -86,14 +86,9 @@ class TransferBackend(ABC):
         self._batches: dict[int, tuple[Peer, TransferFuture]] = {}
         self._batch_ids = itertools.count(1)
         self._tracker = ExpectTracker(f"{self.name}-expect")
-        # Live connections per peer instance: the native side (an address-vector entry, a
-        # NIXL remote agent, a Mooncake session) is one per instance, shared by every
-        # connection to it (each side dialed the other: control one way, data the other).
-        self._native_lock = threading.Lock()
-        self._native_users: dict[str, int] = {}
         self._table = PeerTable(self.config, self._lock, hello=self._hello, check=self._check_hello,
                                 add_remote=self.add_remote_region,
-                                attach=self._attach_peer, detach=self._detach_peer, credit=self._tracker.add)
+                                attach=self._native_connect, detach=self._detach_peer, credit=self._tracker.add)
         self._closed = False
         try:
             # threads the library starts now (UCX's, Mooncake's, a provider's) are ours
@@ -169,11 +164,6 @@ class TransferBackend(ABC):
             raise TransferError(f"peer runs {hello['backend']}/{hello['provider']} v{hello['v']}, "
                                 f"we run {self.name}/{self.provider} v{DESCRIPTOR_VERSION}")
 
-    def _attach_peer(self, peer: Peer) -> None:
-        with self._native_lock:
-            self._native_connect(peer)
-            self._native_users[peer.id] = self._native_users.get(peer.id, 0) + 1
-
     def _detach_peer(self, peer: Peer, state: PeerState, reason: str) -> None:
         """The peer is gone (its state already says so): fail its batches and expectations."""
         with self._lock:
@@ -183,19 +173,7 @@ class TransferBackend(ABC):
             for bid, _ in failed:
                 del self._batches[bid]
         try:
-            with self._native_lock:
-                left = self._native_users.get(peer.id, 1) - 1
-                if left > 0:
-                    # Another connection to this instance lives and uses the same native
-                    # state: tearing it down would strand that connection's writes (seen:
-                    # libfabric tcp writes that never completed after the other direction's
-                    # control connection was reset). Only this connection's batches go.
-                    self._native_users[peer.id] = left
-                    for bid, _ in failed:
-                        self._native_expire(bid)
-                else:
-                    self._native_users.pop(peer.id, None)
-                    self._native_disconnect(peer)
+            self._native_disconnect(peer)
         finally:
             err = PeerLostError(f"peer {peer.address} ({peer.id[:8]}) {state.value}: {reason}")
             for _, fut in failed:
