@@ -127,17 +127,19 @@ async def _drain(session, decoder_url: str) -> None:
         async with session.post(decoder_url + "/abort_request", json={"abort_all": True}) as r:
             r.raise_for_status()
         await asyncio.sleep(0.5)
-        async with session.get(decoder_url + "/v1/loads", params={"include": "core"}) as r:
-            loads = (await r.json())["loads"]
+        loads = await _loads(session, decoder_url)
         if not sum(int(x.get("num_running_reqs", 0)) + int(x.get("num_waiting_reqs", 0)) for x in loads):
             return
     raise RuntimeError(f"the decoder on {decoder_url} still runs requests after 40 aborts: {loads}")
 
 
-async def _running(session, decoder_url: str) -> int:
+async def _loads(session, decoder_url: str) -> list[dict]:
     async with session.get(decoder_url + "/v1/loads", params={"include": "core"}) as r:
-        loads = (await r.json())["loads"]
-    return sum(int(x.get("num_running_reqs", 0)) for x in loads)
+        return (await r.json())["loads"]
+
+
+async def _running(session, decoder_url: str) -> int:
+    return sum(int(x.get("num_running_reqs", 0)) for x in await _loads(session, decoder_url))
 
 
 def _ms(x: float | None) -> float | None:

@@ -17,9 +17,10 @@ from .links import LinkState
 from .metrics import Cause
 
 CANCEL_TIMEOUT_S = 5.0
-# An unanswered cancel goes out again this often on the same connection: a prefill server
-# that released the order while the decoder's old connection was being replaced sent its
-# Released to the old one; asked again, it answers for an order it no longer holds.
+# An unanswered cancel goes out again this often on the same connection (a prefill server
+# answers one for an order it no longer holds at once). Added for a quarantine after a dropped
+# control connection, on the theory that the Released went to the old connection; the cause
+# proved to be the prefill's writes stuck after that drop (CHANGELOG), which this does not cure.
 CANCEL_RESEND_S = 1.0
 LOST_VERDICT_S = 1.0  # how long a request lost before any write waits to learn whether its server is gone
 
