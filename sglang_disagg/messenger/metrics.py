@@ -50,13 +50,21 @@ class Cause(enum.Enum):
 
 class MessengerMetrics:
     def __init__(self, role: str, host: str, port: int) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
         self.registry = r = CollectorRegistry()
         self.requests = Counter("sglang_disagg_requests", "Requests by outcome", ["outcome"], registry=r)
         self.failures = Counter("sglang_disagg_failures", "Failed requests by cause", ["cause"], registry=r)
         for c in Cause:
             self.failures.labels(c.value)  # present (0) before the first failure
+        # When the last failure of each cause happened (Unix time, as Prometheus' *_timestamp_seconds):
+        # alerts read how recent it is, and a fault test times the server's reaction from it rather
+        # than from its own scrapes, whose latency on a loaded host is the thing under test's noise.
+        self.last_failure = Gauge("sglang_disagg_last_failure_timestamp_seconds",
+                                  "Unix time of the last failed request, by cause (0: none yet)", ["cause"],
+                                  registry=r)
+        for c in Cause:
+            self.last_failure.labels(c.value)
         self.writes = Counter("sglang_disagg_kv_writes", "KV page writes (sent on prefill, received on decode)",
                               registry=r)
         self.bytes = Counter("sglang_disagg_kv_bytes", "KV bytes moved (sent on prefill, received on decode)",
@@ -82,6 +90,7 @@ class MessengerMetrics:
             self.ttft.labels(phase).observe(max(0.0, end - start))
 
     def fail(self, cause: Cause) -> None:
+        self.last_failure.labels(cause.value).set_to_current_time()
         self.failures.labels(cause.value).inc()
         self.requests.labels("failed").inc()
 

@@ -74,6 +74,11 @@ class NetFaults:
     def outcome(self, outcome: str) -> float:
         return value(self.metrics("decode-0"), "sglang_disagg_requests_total", outcome=outcome)
 
+    def last_failure(self) -> float:
+        """Unix time of the decoder's last failed request (any cause), by its own clock."""
+        return max(v for k, v in self.metrics("decode-0").items()
+                   if k[0] == "sglang_disagg_last_failure_timestamp_seconds")
+
     def stats(self) -> dict:
         return self.dep.messenger_stats("decode-0", "decode") or {}
 
