@@ -4,6 +4,12 @@ decode server, against SGLang's own PD decoder, at the same batch, on the same c
     python benchmarks/decode_tax.py --out DIR [--quick] [--batches 1 4 8 16] [--repeats 5]
         [--configs upstream:mooncake messenger:shmem messenger:libfabric:tcp ...]
 
+A configuration may carry SGLang flags for both of its servers after a slash, comma-separated,
+to find which difference between the two decoders costs a step (an A/B, not a deployment):
+`upstream:mooncake/--page-size,16` runs SGLang's PD with the messenger's page size,
+`upstream:mooncake/--enable-mixed-chunk` with its mixed chunks, `messenger:shmem/--disable-radix-cache`
+the messenger without the radix cache.
+
 Each configuration is a `--role all --pin-cores` stack of smollm2-135m (prefill server and
 router on core 0 with this client, the decode server alone on core 1). For each batch size
 B, B streams of short prompts decode (greedy, ignore_eos); once every stream has its first
@@ -160,7 +166,12 @@ def summarize(runs: list[dict]) -> list[dict]:
                     "itl_p50_ms_range": [min(p50s), max(p50s)] if p50s else None,
                     "itl_p99_ms_median": statistics.median(p99s) if p99s else None,
                     "ours_cpu_pct_median": statistics.median(ours)})
-    base = {(r["condition"], r["batch"]): r["itl_p50_ms_median"] for r in out if r["config"].startswith("upstream")}
+    # The baseline is SGLang's PD as shipped: an upstream row without flags of an A/B (sorted
+    # first, so a plain upstream row, when there is one, is the one kept).
+    base: dict = {}
+    for r in sorted(out, key=lambda r: "/" in r["config"]):
+        if r["config"].startswith("upstream"):
+            base.setdefault((r["condition"], r["batch"]), r["itl_p50_ms_median"])
     for r in out:
         b = base.get((r["condition"], r["batch"]))
         r["vs_upstream_pd"] = round(r["itl_p50_ms_median"] / b, 3) if b and r["itl_p50_ms_median"] else None
@@ -214,9 +225,10 @@ def main() -> None:
     started = time.time()
     for rep in range(repeats):
         for config in configs:
-            cfg = dataclasses.replace(launch_config(config, MODEL, args.port, logs / f"r{rep}",
+            name, _, flags = config.partition("/")
+            cfg = dataclasses.replace(launch_config(name, MODEL, args.port, logs / f"r{rep}" / str(configs.index(config)),
                                                     max_total_tokens=POOL_TOKENS),
-                                      pin_cores=True, extra_args=SERVER_ARGS)
+                                      pin_cores=True, extra_args=SERVER_ARGS + tuple(f for f in flags.split(",") if f))
             with Stack.for_config(cfg) as stack:
                 decoder = next(p for p in stack.servers if p.spec.name == "decode")
                 for batch in batches:
