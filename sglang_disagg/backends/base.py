@@ -56,6 +56,10 @@ from .validate import check_uniform, check_write
 
 log = logging.getLogger("sglang_disagg.backends")
 
+# How recently (in heartbeats: peer_timeout_s / 9 each) another connection to an instance must
+# have heard from it for a lost connection to leave the instance's native state in place.
+_FRESH_BEATS = 3
+
 __all__ = ["BackendConfig", "MemoryRegion", "PageWrite", "Peer", "PeerState", "RegionDescriptor",
            "RemoteRegion", "TransferBackend", "TransferFuture"]
 
@@ -86,9 +90,14 @@ class TransferBackend(ABC):
         self._batches: dict[int, tuple[Peer, TransferFuture]] = {}
         self._batch_ids = itertools.count(1)
         self._tracker = ExpectTracker(f"{self.name}-expect")
+        # The connections sharing each peer instance's native state (an address-vector entry, a
+        # NIXL remote agent, a Mooncake session: one per instance, whichever connection made
+        # it; each side dials the other, control one way and data the other). See _detach_peer.
+        self._native_lock = threading.Lock()
+        self._native_users: dict[str, set[Peer]] = {}
         self._table = PeerTable(self.config, self._lock, hello=self._hello, check=self._check_hello,
                                 add_remote=self.add_remote_region,
-                                attach=self._native_connect, detach=self._detach_peer, credit=self._tracker.add)
+                                attach=self._attach_peer, detach=self._detach_peer, credit=self._tracker.add)
         self._closed = False
         try:
             # threads the library starts now (UCX's, Mooncake's, a provider's) are ours
@@ -164,8 +173,24 @@ class TransferBackend(ABC):
             raise TransferError(f"peer runs {hello['backend']}/{hello['provider']} v{hello['v']}, "
                                 f"we run {self.name}/{self.provider} v{DESCRIPTOR_VERSION}")
 
+    def _attach_peer(self, peer: Peer) -> None:
+        with self._native_lock:
+            self._native_connect(peer)
+            self._native_users.setdefault(peer.id, set()).add(peer)
+
     def _detach_peer(self, peer: Peer, state: PeerState, reason: str) -> None:
-        """The peer is gone (its state already says so): fail its batches and expectations."""
+        """The peer is gone (its state already says so): fail its batches and expectations.
+
+        The instance's native state goes with this connection unless another connection to
+        the same instance proves the path alive: it heard from the peer within
+        `_FRESH_BEATS` heartbeats. Tearing it down under a healthy connection strands that
+        connection's writes (seen: a decoder's control connection reset by `ss -K` left the
+        prefill's writes on its data connection uncompleted until their deadline, and the
+        decoder quarantined the pages). Keeping it when the other connection is merely not
+        yet found silent keeps a provider connection that a partition left stale (seen:
+        after a cable cut, a re-linked prefill's writes went into it and never arrived), so
+        a connection that is quiet too shares the loss: the state is torn down and the
+        other connections lose their claim on it."""
         with self._lock:
             # By connection, not instance id: two connections to one peer instance (each
             # side dialed the other) fail independently.
@@ -173,7 +198,18 @@ class TransferBackend(ABC):
             for bid, _ in failed:
                 del self._batches[bid]
         try:
-            self._native_disconnect(peer)
+            with self._native_lock:
+                users = self._native_users.get(peer.id, set())
+                if peer in users:
+                    users.discard(peer)
+                    fresh = time.monotonic() - _FRESH_BEATS * self.config.peer_timeout_s / 9
+                    if any(p.state is PeerState.CONNECTED and p.last_heard() > fresh for p in users):
+                        for bid, _ in failed:  # only this connection's batches go
+                            self._native_expire(bid)
+                    else:
+                        self._native_users.pop(peer.id, None)
+                        self._native_disconnect(peer)
+                # else: an earlier loss tore the state down under this connection already
         finally:
             err = PeerLostError(f"peer {peer.address} ({peer.id[:8]}) {state.value}: {reason}")
             for _, fut in failed:

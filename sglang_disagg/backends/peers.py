@@ -50,6 +50,10 @@ class Peer:
     def add_remote_region(self, descriptor: bytes | str) -> RemoteRegion:
         return self._add_remote(self, descriptor)
 
+    def last_heard(self) -> float:
+        """When (time.monotonic()) the last frame from the peer arrived on this connection."""
+        return self._conn.last_rx
+
     def send(self, data: bytes) -> None:
         """A small control message, delivered in order to the peer's `recv()`."""
         self._conn.send(control.MSG, bytes(data))

@@ -217,6 +217,28 @@ def test_sender_killed_mid_transfer(fresh: Pair, procs: list) -> None:
     _reuse_with_new_peer(fresh.rx, False, fresh, procs)
 
 
+def test_the_other_direction_lost(fresh: Pair) -> None:
+    """Each side dialed the other (the messenger's decoder dials the prefill's control port,
+    the prefill dials the decoder for data): one connection's loss must not take the native
+    state both share (an address-vector entry, a remote agent). Writes already in flight on
+    the other connection complete, and later ones land."""
+    fresh.rx.call("connect", address=fresh.tx.address, name="back")
+    fresh.tx.call("accept", name="back")
+    writes = [[i * (1 << 20), i * (1 << 20), 1 << 20] for i in range(8)]
+    fresh.tx.call("stream", peer=fresh.tx_peer, region=fresh.src, remote=fresh.remote, writes=writes, imm=9)
+    time.sleep(0.2)
+    fresh.rx.call("close_peer", peer="back")
+    assert until(lambda: fresh.tx.call("stats")["peers"] == 1), fresh.tx.call("stats")
+    got = fresh.tx.call("stream_result", rpc_timeout=10, timeout=1.5)
+    assert got["type"] is None, f"the data connection's writes failed after the other one closed: {got}"
+    fut = fresh.rx.call("expect", tag=12, count=1, wait=False, timeout=10.0)["future"]
+    fresh.tx.call("write", peer=fresh.tx_peer, region=fresh.src, remote=fresh.remote,
+                  writes=[[0, 15 << 20, 65536]], imm=12)
+    fresh.rx.call("wait", future=fut, timeout=10.0)
+    assert fresh.rx.call("digest", region=fresh.dst, ranges=[[15 << 20, 65536]])["sha"] == \
+        [hashlib.sha256(pattern(fresh.seed, fresh.size)[:65536]).hexdigest()]
+
+
 def test_close_releases_everything(pair: Pair) -> None:
     p = Proc(pair.backend, pair.provider)
     try:

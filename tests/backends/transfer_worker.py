@@ -61,15 +61,16 @@ class Worker:
         self.bufs[region.id], self.regions[region.id] = m, region
         return {"region": region.id, "desc": desc.decode()}
 
-    def connect(self, address: str) -> dict:
+    def connect(self, address: str, name: str | None = None) -> dict:
+        """`name`: a key of our own for a second connection to one peer instance."""
         p = self.be.connect(address)
-        self.peers[p.id] = p
-        return {"peer": p.id}
+        self.peers[name or p.id] = p
+        return {"peer": name or p.id}
 
-    def accept(self, timeout: float = 5.0) -> dict:
+    def accept(self, timeout: float = 5.0, name: str | None = None) -> dict:
         p = self.be.wait_peer(timeout)
-        self.peers[p.id] = p
-        return {"peer": p.id}
+        self.peers[name or p.id] = p
+        return {"peer": name or p.id}
 
     def add_remote(self, peer: str, desc: str) -> dict:
         r = self.peers[peer].add_remote_region(desc.encode())
