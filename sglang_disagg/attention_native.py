@@ -58,7 +58,11 @@ def gather_heads_first(cache: torch.Tensor, slots: torch.Tensor, pages: torch.Te
     if cache.dim() != 4:
         return cache[slots].movedim(0, 1)
     if pages is not None:
-        blocks = cache[pages].transpose(0, 1)  # [heads, pages, page, dim]
+        # index_select copies whole [heads, page, dim] blocks; advanced indexing (cache[pages])
+        # moved them element by element, 2.5-3x slower on CPU (bf16, 16 requests of 600
+        # tokens: 1.1 against 0.4 ms per layer's K), which made our decode step slower than
+        # SGLang's NHD one at the same batch.
+        blocks = torch.index_select(cache, 0, pages).transpose(0, 1)  # [heads, pages, page, dim]
         return blocks.reshape(blocks.shape[0], -1, blocks.shape[-1])[:, : slots.shape[0]]
     page_size = cache.shape[2]
     return cache[slots // page_size, :, slots % page_size].movedim(0, 1)
