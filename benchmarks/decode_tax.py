@@ -224,9 +224,9 @@ def main() -> None:
     runs: list[dict] = []
     started = time.time()
     for rep in range(repeats):
-        for config in configs:
-            name, _, flags = config.partition("/")
-            cfg = dataclasses.replace(launch_config(name, MODEL, args.port, logs / f"r{rep}" / str(configs.index(config)),
+        for i, config in enumerate(configs):
+            name, _, flags = config.partition("/")  # variants of one name get log dirs of their own
+            cfg = dataclasses.replace(launch_config(name, MODEL, args.port, logs / f"r{rep}" / str(i),
                                                     max_total_tokens=POOL_TOKENS),
                                       pin_cores=True, extra_args=SERVER_ARGS + tuple(f for f in flags.split(",") if f))
             with Stack.for_config(cfg) as stack:
