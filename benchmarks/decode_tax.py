@@ -187,8 +187,8 @@ def plot(summary: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     for ax, cond in zip(axes, ("idle", "kv")):
         for config in sorted({r["config"] for r in summary}):
-            rows = sorted((r for r in summary if r["config"] == config and r["condition"] == cond),
-                          key=lambda r: r["batch"])
+            rows = sorted((r for r in summary if r["config"] == config and r["condition"] == cond
+                           and r["itl_p50_ms_median"] is not None), key=lambda r: r["batch"])
             xs = [r["batch"] for r in rows]
             ys = [r["itl_p50_ms_median"] for r in rows]
             lo = [y - r["itl_p50_ms_range"][0] for y, r in zip(ys, rows)]
@@ -222,37 +222,54 @@ def main() -> None:
     logs = Path(tempfile.mkdtemp(prefix="decode-tax-"))
     os.sched_setaffinity(0, {0})  # the client with the prefill server and the router
     runs: list[dict] = []
+    failures: list[dict] = []
     started = time.time()
+
+    def write() -> list[dict]:
+        # After every stack, so that a run stopped or broken midway keeps what it measured.
+        summary = summarize(runs)
+        result = {"host": platform.node(), "cpus": os.cpu_count(), "model": MODEL, "time": time.strftime(
+            "%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)), "duration_s": round(time.time() - started),
+            "window_s": WINDOW_S, "prompt_len": PROMPT_LEN, "long_len": LONG_LEN,
+            "max_new_tokens": MAX_NEW_TOKENS, "pool_tokens": POOL_TOKENS, "server_args": SERVER_ARGS,
+            "configs": configs, "batches": batches, "repeats": repeats,
+            "layout": "--role all --pin-cores: prefill + router + client on core 0, decode server on core 1",
+            "failures": failures, "summary": summary, "runs": runs}
+        (out / "decode_tax.json").write_text(json.dumps(result, indent=1))
+        if summary:
+            plot(summary, out / "decode_tax.png")
+        return summary
+
     for rep in range(repeats):
         for i, config in enumerate(configs):
             name, _, flags = config.partition("/")  # variants of one name get log dirs of their own
             cfg = dataclasses.replace(launch_config(name, MODEL, args.port, logs / f"r{rep}" / str(i),
                                                     max_total_tokens=POOL_TOKENS),
                                       pin_cores=True, extra_args=SERVER_ARGS + tuple(f for f in flags.split(",") if f))
-            with Stack.for_config(cfg) as stack:
-                decoder = next(p for p in stack.servers if p.spec.name == "decode")
-                for batch in batches:
-                    for cond in ("idle", "kv"):
-                        seed = rep * 1000 + batch * 10 + (cond == "kv")
-                        row = asyncio.run(one_window(stack.url, decoder.url, decoder.pid, batch, cond == "kv", seed))
-                        row.update(config=config, condition=cond, batch=batch, repeat=rep)
-                        runs.append(row)
-                        print(f"r{rep} {config:26s} B={batch:<3d} {cond:4s} ITL p50 {row['itl_p50_ms']} ms "
-                              f"p99 {row['itl_p99_ms']} ms, ours {row['ours_pct']} %", flush=True)
-                        time.sleep(1.0)  # the aborted requests' pages go back
-    summary = summarize(runs)
-    result = {"host": platform.node(), "cpus": os.cpu_count(), "model": MODEL, "time": time.strftime(
-        "%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)), "duration_s": round(time.time() - started),
-        "window_s": WINDOW_S, "prompt_len": PROMPT_LEN, "long_len": LONG_LEN,
-        "max_new_tokens": MAX_NEW_TOKENS, "pool_tokens": POOL_TOKENS, "server_args": SERVER_ARGS, "configs": configs,
-        "batches": batches, "repeats": repeats,
-        "layout": "--role all --pin-cores: prefill + router + client on core 0, decode server on core 1",
-        "summary": summary, "runs": runs}
-    (out / "decode_tax.json").write_text(json.dumps(result, indent=1))
-    plot(summary, out / "decode_tax.png")
+            try:
+                with Stack.for_config(cfg) as stack:
+                    decoder = next(p for p in stack.servers if p.spec.name == "decode")
+                    for batch in batches:
+                        for cond in ("idle", "kv"):
+                            seed = rep * 1000 + batch * 10 + (cond == "kv")
+                            row = asyncio.run(one_window(stack.url, decoder.url, decoder.pid, batch, cond == "kv",
+                                                         seed))
+                            row.update(config=config, condition=cond, batch=batch, repeat=rep)
+                            runs.append(row)
+                            print(f"r{rep} {config:26s} B={batch:<3d} {cond:4s} ITL p50 {row['itl_p50_ms']} ms "
+                                  f"p99 {row['itl_p99_ms']} ms, ours {row['ours_pct']} %", flush=True)
+                            time.sleep(1.0)  # the aborted requests' pages go back
+            except Exception as e:  # one configuration broken: say so, keep measuring the others
+                failures.append({"config": config, "repeat": rep, "error": f"{type(e).__name__}: {e}"[:2000],
+                                 "logs": str(logs / f"r{rep}" / str(i))})
+                print(f"r{rep} {config}: FAILED {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            write()
+    summary = write()
     for r in summary:
         print(f"{r['config']:26s} {r['condition']:4s} B={r['batch']:<3d} ITL p50 {r['itl_p50_ms_median']} ms "
               f"{r['itl_p50_ms_range']} x{r['vs_upstream_pd']} ours {r['ours_cpu_pct_median']} %")
+    if failures:
+        sys.exit(f"{len(failures)} configuration run(s) failed: {[f['config'] for f in failures]}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """End to end: short chats decoding while long prompts keep arriving, colocated vs upstream
 SGLang PD vs the messenger, on the same cores, one configuration after the other.
 
-    python benchmarks/e2e.py --out DIR [--quick] [--model small-llama] [--configs ...]
+    python benchmarks/e2e.py --out DIR [--quick] [--model small-llama] [--configs ...] [--repeats 1]
         [--chat-rate 0.5 --chat-count 24 --chat-input 128 --chat-output 96]
         [--long-rate 0.1 --long-count 5 --long-input 2048 --long-output 4]
 
@@ -15,6 +15,14 @@ the mixed load, ITL p50/p99 of the chats alone (the same chat arrivals), both ag
 many requests were decoding, tokens/s per user and in total, requests ok/failed, the
 configuration's start-up time, and for the messenger the transfer tail) and
 DIR/e2e.png (ITL over time, TTFT and ITL CDFs).
+
+With --repeats N every configuration runs N times, interleaved (repeat r runs each
+configuration once), one row per run (its "repeat"); "summary" gives per configuration the
+median of the runs and their range, and each configuration's ratio to upstream PD's median
+for every figure (one run of this workload moves by 10-20 %: a single run cannot say whether
+two configurations differ by less). "decoding_mean" is the mean number of requests decoding
+when a chat token came: the batch its decode step ran at, which sets its ITL (a prefill that
+releases more requests together gives larger decode batches: lower TTFT, lower rate per user).
 """
 
 from __future__ import annotations
@@ -75,6 +83,7 @@ def measure(stack: Stack, chat: RequestClass, long: RequestClass, bar) -> tuple[
         "tokens_per_s_total": round(sum(len(r.token_times) for r in ok) / span, 2) if span > 0 else None,
         "requests_ok": len(ok), "requests_failed": len(mixed) - len(ok),
         "errors": sorted({r.error for r in mixed if r.error})[:3],
+        "decoding_mean": decoding_mean(mixed),
         "itl_by_decoding_alone": by_decoding(alone), "itl_by_decoding_mixed": by_decoding(mixed),
     }
     return row, mixed
@@ -92,6 +101,37 @@ def by_decoding(results: list[Result]) -> dict[str, dict]:
                 groups.setdefault(sum(a <= t <= b for a, b in spans), []).append(x)
     return {str(n): {"p50_ms": ms(pct(v, 50)), "p99_ms": ms(pct(v, 99)), "count": len(v)}
             for n, v in sorted(groups.items())}
+
+
+def decoding_mean(results: list[Result]) -> float | None:
+    """Mean over the chats' tokens of how many requests were decoding when the token came."""
+    spans = [(r.token_times[0], r.token_times[-1]) for r in results if len(r.token_times) > 1]
+    seen = [sum(a <= t <= b for a, b in spans) for r in results if r.klass == "chat" and not r.error
+            for t in r.token_times[1:]]
+    return round(statistics.fmean(seen), 2) if seen else None
+
+
+SUMMARIZED = ("ttft_p50_ms", "ttft_p99_ms", "long_ttft_p50_ms", "itl_p50_ms", "itl_p99_ms", "itl_alone_p50_ms",
+              "tokens_per_s_per_user", "tokens_per_s_total", "decoding_mean")
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per configuration: the median of its runs and their range for each figure, and the
+    ratio of that median to upstream PD's (the first upstream configuration of the run)."""
+    out = []
+    for name in dict.fromkeys(r["config"] for r in rows):
+        runs = [r for r in rows if r["config"] == name]
+        entry = {"config": name, "runs": len(runs)}
+        for key in SUMMARIZED:
+            vals = [r[key] for r in runs if r.get(key) is not None]
+            entry[key] = round(statistics.median(vals), 2) if vals else None
+            entry[key + "_range"] = [min(vals), max(vals)] if vals else None
+        out.append(entry)
+    base = next((e for e in out if e["config"].startswith("upstream")), None)
+    for e in out:
+        if base is not None:
+            e["vs_upstream"] = {k: round(e[k] / base[k], 3) for k in SUMMARIZED if e[k] and base[k]}
+    return out
 
 
 def transfer_tail(stack: Stack) -> float | None:
@@ -119,6 +159,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--long-output", type=int, default=4)
     ap.add_argument("--port", type=int, default=32300)
     ap.add_argument("--quick", action="store_true", help=f"{', '.join(QUICK)}; 12 chats, 3 long prompts")
+    ap.add_argument("--repeats", type=int, default=1, help="runs of each configuration, interleaved")
     args = ap.parse_args(argv)
     configs = args.configs or (QUICK if args.quick else CONFIGS)
     if args.quick:
@@ -131,9 +172,9 @@ def main(argv: list[str]) -> int:
 
     rows, timelines = [], {}
     all_cores = os.sched_getaffinity(0)
-    bar = tqdm(total=len(configs) * (2 * chat.count + long.count), unit="req", desc="e2e")
-    for name in configs:
-        cfg = dataclasses.replace(launch_config(name, args.model, args.port, logs, max_total_tokens=16384),
+    bar = tqdm(total=args.repeats * len(configs) * (2 * chat.count + long.count), unit="req", desc="e2e")
+    for rep, name in ((rep, name) for rep in range(args.repeats) for name in configs):
+        cfg = dataclasses.replace(launch_config(name, args.model, args.port, logs / f"r{rep}", max_total_tokens=16384),
                                   pin_cores=True)
         colocated = cfg.role is Role.COLOCATED
         # The client and the router share the prefill server's cores: the decode server's run
@@ -149,22 +190,24 @@ def main(argv: list[str]) -> int:
             bar.set_postfix_str(name)
             os.sched_setaffinity(0, client_cores)
             row, mixed = measure(stack, chat, long, bar)
-            row = {"config": name, "cores": split, "startup_s": round(stack.startup_s, 2), **row}
+            row = {"config": name, "repeat": rep, "cores": split, "startup_s": round(stack.startup_s, 2), **row}
             if cfg.role is Role.ALL and cfg.mode.value == "messenger":
                 row["transfer_tail_ms"] = transfer_tail(stack)
         finally:
             os.sched_setaffinity(0, all_cores)
             stack.stop()
         rows.append(row)
-        timelines[name] = [(t, x) for r in mixed if r.klass == "chat" for t, x in zip(r.token_times[1:], r.itls)]
-        timelines[name + ":long"] = [r.start for r in mixed if r.klass == "long"]
-        timelines[name + ":ttft"] = [r.ttft for r in mixed if r.klass == "chat" and r.ttft is not None]
+        if rep == 0:  # the plot shows the first run of each configuration
+            timelines[name] = [(t, x) for r in mixed if r.klass == "chat" for t, x in zip(r.token_times[1:], r.itls)]
+            timelines[name + ":long"] = [r.start for r in mixed if r.klass == "long"]
+            timelines[name + ":ttft"] = [r.ttft for r in mixed if r.klass == "chat" and r.ttft is not None]
         tqdm.write(f"[e2e] {json.dumps(row)}")
         time.sleep(1)
     bar.close()
     doc = {"model": args.model, "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
            "command": "python benchmarks/e2e.py " + " ".join(argv),
-           "workload": {"chat": vars(chat), "long": vars(long)}, "rows": rows}
+           "workload": {"chat": vars(chat), "long": vars(long)}, "repeats": args.repeats,
+           "summary": summarize(rows), "rows": rows}
     (args.out / "e2e.json").write_text(json.dumps(doc, indent=2))
     plot(doc, timelines, args.out / "e2e.png")
     print(f"[e2e] wrote {args.out / 'e2e.json'} and e2e.png")
@@ -181,7 +224,7 @@ def plot(doc: dict, timelines: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [r["config"] for r in doc["rows"]]
+    names = list(dict.fromkeys(r["config"] for r in doc["rows"]))
     fig, axes = plt.subplots(len(names) + 2, 1, figsize=(11, 2.2 * (len(names) + 2)), squeeze=False)
     for ax, name in zip(axes[:, 0], names):
         pts = timelines[name]

@@ -9,6 +9,7 @@ import os
 import signal
 import ssl
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -30,6 +31,25 @@ def log_tail(path: Path, lines: int = 25, width: int = 400) -> str:
     # SGLang prints all server args on one enormous line: clip long lines.
     keep = [ln if len(ln) <= width else ln[:width] + " ..." for ln in text[-lines:]]
     return "\n".join("    " + ln for ln in keep)
+
+
+def stop_on_sigterm() -> None:
+    """Make SIGTERM unwind this process instead of killing it outright.
+
+    Our servers run in sessions of their own (so that a stop reaches their schedulers), so a
+    script that starts a stack and dies of SIGTERM (a CI timeout, `kill`, a benchmark stopped
+    midway) without running its `finally`/`with` blocks leaves them serving, holding their
+    ports, cores and memory. Where nothing else handles SIGTERM (SIG_DFL) and this is the main
+    thread, it raises SystemExit(143), so every stack stops on the way out. The launcher
+    installs its own handler (drain first), which this leaves alone."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 class ManagedProcess:

@@ -27,7 +27,7 @@ from sglang_disagg.messenger.links import REFUSED_MARK
 from sglang_disagg.launch.ports import Listener, listening
 from sglang_disagg.launch.secret import with_secret
 from sglang_disagg.launch import keys, sharding
-from sglang_disagg.launch.process import ManagedProcess, StartupError, log_tail
+from sglang_disagg.launch.process import ManagedProcess, StartupError, log_tail, stop_on_sigterm
 from sglang_disagg.models import is_builtin, resolve_model_path
 
 Progress = Callable[[str], None]
@@ -89,6 +89,7 @@ class Stack:
         return {"api_key": self.keys.api if self.keys else "", "tls": front.tls}
 
     def start(self, progress: Progress | None = None) -> None:
+        stop_on_sigterm()  # a script killed with SIGTERM still stops what it started
         if self.cfg.role is not Role.ROUTER:
             check_patches_applied()
         check_ports_free(self.cfg)
