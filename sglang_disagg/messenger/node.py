@@ -178,9 +178,11 @@ class Node:
         return self.wakeup.fd if self.ranks.is_leader else None
 
     def idle_poll_ms(self) -> int:
-        # Writes completing on other TP ranks do not wake the leader (step() counts them
-        # through agree()), so with TP > 1 it looks again soon.
-        return 50 if self.ranks.size == 1 else 2
+        # Every event the leader acts on sets the wakeup (a write completing, an order or an
+        # answer arriving, a link changing), whatever the TP size: the one backend counts the
+        # writes into every rank's pages, and other ranks post none (they agree on the leader's
+        # counts). The timeout only bounds a missed wakeup; it is no polling period.
+        return 50
 
     def describe(self, scheduler: Any) -> dict:
         grammar = getattr(scheduler.grammar_manager, "grammar_backend", None)
