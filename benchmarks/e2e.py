@@ -89,25 +89,28 @@ def measure(stack: Stack, chat: RequestClass, long: RequestClass, bar) -> tuple[
     return row, mixed
 
 
-def by_decoding(results: list[Result]) -> dict[str, dict]:
-    """Chat ITL p50/p99 by how many requests were decoding when the token came (first to last
-    token, as the client saw them): a decode step's time grows with its batch, so this tells
-    a step that is slow because of its batch from one slowed by something else."""
+def chat_tokens_by_decoding(results: list[Result]) -> list[tuple[int, float]]:
+    """(how many requests were decoding when the token came, its ITL) for every chat token
+    after the first: a request decodes from its first token to its last, as the client saw them."""
     spans = [(r.token_times[0], r.token_times[-1]) for r in results if len(r.token_times) > 1]
+    return [(sum(a <= t <= b for a, b in spans), x) for r in results if r.klass == "chat" and not r.error
+            for t, x in zip(r.token_times[1:], r.itls)]
+
+
+def by_decoding(results: list[Result]) -> dict[str, dict]:
+    """Chat ITL p50/p99 by how many requests were decoding when the token came: a decode
+    step's time grows with its batch, so this tells a step that is slow because of its batch
+    from one slowed by something else."""
     groups: dict[int, list[float]] = {}
-    for r in results:
-        if r.klass == "chat" and not r.error:
-            for t, x in zip(r.token_times[1:], r.itls):
-                groups.setdefault(sum(a <= t <= b for a, b in spans), []).append(x)
+    for n, x in chat_tokens_by_decoding(results):
+        groups.setdefault(n, []).append(x)
     return {str(n): {"p50_ms": ms(pct(v, 50)), "p99_ms": ms(pct(v, 99)), "count": len(v)}
             for n, v in sorted(groups.items())}
 
 
 def decoding_mean(results: list[Result]) -> float | None:
     """Mean over the chats' tokens of how many requests were decoding when the token came."""
-    spans = [(r.token_times[0], r.token_times[-1]) for r in results if len(r.token_times) > 1]
-    seen = [sum(a <= t <= b for a, b in spans) for r in results if r.klass == "chat" and not r.error
-            for t in r.token_times[1:]]
+    seen = [n for n, _ in chat_tokens_by_decoding(results)]
     return round(statistics.fmean(seen), 2) if seen else None
 
 
