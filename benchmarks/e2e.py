@@ -131,8 +131,8 @@ def summarize(rows: list[dict]) -> list[dict]:
             entry[key + "_range"] = [min(vals), max(vals)] if vals else None
         out.append(entry)
     base = next((e for e in out if e["config"].startswith("upstream")), None)
-    for e in out:
-        if base is not None:
+    if base is not None:
+        for e in out:
             e["vs_upstream"] = {k: round(e[k] / base[k], 3) for k in SUMMARIZED if e[k] and base[k]}
     return out
 

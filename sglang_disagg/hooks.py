@@ -250,12 +250,19 @@ def is_idle(scheduler: Any) -> bool:
     return _messenger is None or _messenger.idle()
 
 
+# Every event the leader acts on sets the messenger's wakeup (a write completing, an order or
+# an answer arriving, a link changing), whatever the TP size: the one backend counts the writes
+# into every rank's pages, and other ranks post none. So this bounds a missed wakeup; it is no
+# polling period.
+_IDLE_WAIT_MS = 50
+
+
 def wait_while_busy(scheduler: Any) -> None:
     """No batch to run but requests in flight: sleep until the messenger or a new request
     needs the scheduler (never spin: on a small machine that starves the peer server)."""
     if _messenger is None or _waiter is None or _messenger.has_leader_work():
         return
-    _waiter.poll(_messenger.idle_poll_ms())
+    _waiter.poll(_IDLE_WAIT_MS)
 
 
 def before_forward(scheduler: Any, batch: Any) -> None:

@@ -43,7 +43,6 @@ hold_release(req, c)  every              release_kv_cache is about to free req's
                                          True keeps them (writes still in flight)
 idle()                every              is_fully_idle (not for health checks)
 has_leader_work()     leader             busy with no batch: True, do not sleep
-idle_poll_ms()        leader             how long that sleep may last without a wakeup
 ====================  =================  ================================================
 
 Worker side: backend threads (a write or an expected write completed, a peer was lost),
@@ -90,5 +89,3 @@ class Messenger(Protocol):
     def idle(self) -> bool: ...
 
     def has_leader_work(self) -> bool: ...
-
-    def idle_poll_ms(self) -> int: ...

@@ -441,8 +441,6 @@ class DecodeMessenger:
     def wakeup_fd(self) -> int | None:
         return self.node.wakeup_fd()
 
-    def idle_poll_ms(self) -> int:
-        return self.node.idle_poll_ms()
 
     def close(self) -> None:
         if self.links is not None:

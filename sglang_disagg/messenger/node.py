@@ -177,13 +177,6 @@ class Node:
         """What the leader's scheduler polls for messenger events; None on other ranks."""
         return self.wakeup.fd if self.ranks.is_leader else None
 
-    def idle_poll_ms(self) -> int:
-        # Every event the leader acts on sets the wakeup (a write completing, an order or an
-        # answer arriving, a link changing), whatever the TP size: the one backend counts the
-        # writes into every rank's pages, and other ranks post none (they agree on the leader's
-        # counts). The timeout only bounds a missed wakeup; it is no polling period.
-        return 50
-
     def describe(self, scheduler: Any) -> dict:
         grammar = getattr(scheduler.grammar_manager, "grammar_backend", None)
         return {"role": self.cfg.role.value, "name": self.name, "backend": self.backend.name,

@@ -411,8 +411,6 @@ class PrefillMessenger:
     def wakeup_fd(self) -> int | None:
         return self.node.wakeup_fd()
 
-    def idle_poll_ms(self) -> int:
-        return self.node.idle_poll_ms()
 
     def close(self) -> None:
         if self.streamer is not None:

@@ -177,7 +177,7 @@ def _double(without: str | None) -> object:
 def test_a_side_missing_a_method_is_refused():
     assert isinstance(_double(None), Messenger)
     assert not isinstance(_double("draft_tail_tokens"), Messenger)
-    assert not isinstance(_double("idle_poll_ms"), Messenger)
+    assert not isinstance(_double("has_leader_work"), Messenger)
 
 
 def test_hooks_call_the_contract_without_probing(monkeypatch):
