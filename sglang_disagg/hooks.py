@@ -148,7 +148,9 @@ def model_loaded(model_runner: Any) -> None:
         return
     from sglang.srt.runtime_context import get_parallel
 
-    if get_parallel().tp_rank != 0:  # the leader streams for every rank (stream.py)
+    # The leader streams for every rank of its group (stream.py); each DP group has its own
+    # (attention DP: its attention-TP rank 0; replica DP: its replica's TP rank 0).
+    if get_parallel().attn_tp_rank != 0:
         return
     from sglang_disagg.devices import for_device
     from sglang_disagg.messenger.layers import LayerCounter
@@ -165,7 +167,7 @@ def kv_zeros(shape: Any, dtype: Any, device: Any) -> Any:
 
 def scheduler_ready(scheduler: Any) -> None:
     """End of Scheduler.__init__ (every TP rank): start the messenger for this role."""
-    global _messenger, _waiter
+    global _messenger, _waiter, _wait_ms
     from sglang_disagg.messenger.config import MessengerConfig, MessengerRole
 
     cfg = MessengerConfig.from_env()
@@ -200,6 +202,8 @@ def scheduler_ready(scheduler: Any) -> None:
             if sock is not None:
                 _waiter.register(sock, zmq.POLLIN)
         _waiter.register(fd, zmq.POLLIN)
+        if int(getattr(scheduler.server_args, "attn_dp_size", 1) or 1) > 1:
+            _wait_ms = _DP_IDLE_WAIT_MS
 
 
 def leader_inputs(scheduler: Any) -> list:
@@ -255,6 +259,11 @@ def is_idle(scheduler: Any) -> bool:
 # into every rank's pages, and other ranks post none. So this bounds a missed wakeup; it is no
 # polling period.
 _IDLE_WAIT_MS = 50
+# Attention DP: every group takes part in each iteration's MLP collective, so a group asleep
+# here holds up a group that has work (its KV landed, a request arrived at it): it sleeps at
+# most this long.
+_DP_IDLE_WAIT_MS = 2
+_wait_ms = _IDLE_WAIT_MS
 
 
 def wait_while_busy(scheduler: Any) -> None:
@@ -262,7 +271,7 @@ def wait_while_busy(scheduler: Any) -> None:
     needs the scheduler (never spin: on a small machine that starves the peer server)."""
     if _messenger is None or _waiter is None or _messenger.has_leader_work():
         return
-    _waiter.poll(_IDLE_WAIT_MS)
+    _waiter.poll(_wait_ms)
 
 
 def before_forward(scheduler: Any, batch: Any) -> None:

@@ -27,6 +27,12 @@ e.g. --chunked-prefill-size 256. Built-in models (random weights, for plumbing,
 tests and benchmarks): tiny-llama, tiny-qwen3, tiny-qwen2, small-llama, tiny-deepseek-v3;
 smollm2-135m (the default) is a real model converted on first use.
 
+Data parallelism, per server: --prefill-attn-dp/--decode-attn-dp (attention DP inside the TP
+group) or --prefill-dp/--decode-dp (replicas of it); a colocated server takes the prefill
+ones. In messenger mode on CPU only; upstream and colocated run what SGLang runs. SGLang's own
+--attn-dp-size/--dp-size/--enable-dp-attention are refused in messenger mode: the launcher's
+flags also size each server's cores and GPUs and its checks.
+
 GPUs (--device cuda): prefill on the first --prefill-tp GPUs, decode on the next --decode-tp,
 or sharing GPUs (each with --shared-gpu-fraction of their memory) when there are too few;
 --prefill-gpus/--decode-gpus choose them. --dry-run prints what would run, on any machine
@@ -47,7 +53,9 @@ derived from the secret. --role all on 127.0.0.1 runs without keys."""
 # argparse destination -> LaunchConfig field
 FIELDS = {"role": "role", "model_path": "model", "port": "port", "host": "host", "mode": "mode",
           "backend": "backend", "provider": "provider", "device": "device", "prefill_tp": "prefill_tp",
-          "decode_tp": "decode_tp", "dtype": "dtype", "max_total_tokens": "max_total_tokens",
+          "decode_tp": "decode_tp", "prefill_attn_dp": "prefill_attn_dp", "decode_attn_dp": "decode_attn_dp",
+          "prefill_dp": "prefill_dp", "decode_dp": "decode_dp", "dtype": "dtype",
+          "max_total_tokens": "max_total_tokens",
           "page_size": "page_size", "prefill_url": "prefill_urls", "decode_url": "decode_urls",
           "prefill_messenger": "prefill_messengers", "log_dir": "log_dir", "startup_timeout": "startup_timeout_s",
           "transfer_timeout": "transfer_timeout_s", "link_recheck": "link_recheck_s",
@@ -130,6 +138,19 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--tp", type=int, default=None, help="TP size of a single-server role")
     ap.add_argument("--prefill-tp", type=int, default=1)
     ap.add_argument("--decode-tp", type=int, default=1)
+    ap.add_argument("--prefill-attn-dp", type=int, default=1, metavar="N",
+                    help="attention DP of the prefill (or colocated) server: its --prefill-tp ranks form N groups "
+                         "of tp/N attention ranks, each its own scheduler and KV pool, the MLP/MoE over all "
+                         "ranks (SGLang's --attn-dp-size); N must divide --prefill-tp")
+    ap.add_argument("--decode-attn-dp", type=int, default=1, metavar="N",
+                    help="attention DP of the decode server (as --prefill-attn-dp); the messenger pairs attention "
+                         "groups, so KV sizes are checked as prefill tp/N against decode tp/N")
+    ap.add_argument("--prefill-dp", type=int, default=1, metavar="N",
+                    help="replica DP of the prefill (or colocated) server: N copies of its --prefill-tp ranks "
+                         "behind SGLang's data-parallel controller, each with its own model and KV pool "
+                         "(SGLang's --dp-size); tp x N ranks, each a core (CPU) or GPU; not with --prefill-attn-dp")
+    ap.add_argument("--decode-dp", type=int, default=1, metavar="N",
+                    help="replica DP of the decode server (as --prefill-dp)")
     ap.add_argument("--dtype", default=None, help="default: float32 for built-in models, SGLang's choice otherwise")
     ap.add_argument("--max-total-tokens", type=int, default=8192, help="KV pool size per server (CPU)")
     ap.add_argument("--prefill-url", action="append", default=[], help="router role: http://host:port[@bootstrap]")

@@ -13,7 +13,7 @@ these, and a deployment file is refused at load for any of them):
 
 Depends on the machine the node runs on (made only for a node meant for this one: its
 ``--host`` is one of this machine's addresses, or the node is ``--role all``/``colocated``):
-- one core per rank on CPU;
+- one core per rank on CPU (tp * dp ranks with replica DP, parallel.py);
 - the secret file readable.
 
 Left to the real start (machine state a dry run does not probe): CUDA and the GPU count
@@ -33,6 +33,7 @@ from sglang_disagg.backends.auth import SECRET_ENV, SECRET_FILE_ENV
 from sglang_disagg.launch import keys, secret, sharding
 from sglang_disagg.launch.config import LaunchConfig, Mode, Ports, Role
 from sglang_disagg.launch.model_config import model_config
+from sglang_disagg.launch.parallel import Parallel
 
 LOCAL_HOSTS = ("localhost", "0.0.0.0", "::", "::1")
 
@@ -44,6 +45,8 @@ class GroupShape(Protocol):
     role: Role
     host: str
     tp: int
+    attn_dp: int
+    dp: int
     prefill: tuple[str, ...]
 
 
@@ -61,13 +64,16 @@ def meant_for_here(cfg: LaunchConfig) -> bool:
 
 
 def check_cores(cfg: LaunchConfig) -> None:
-    """On CPU every rank of a server needs a core of this machine."""
+    """On CPU every rank of a server needs a core of this machine: tp of them, tp * dp with
+    replica DP (each replica's ranks are processes of their own; attention DP runs inside
+    the TP group)."""
     if cfg.device != "cpu":
         return
     cores = sharding.this_machines_cores()
-    for flag, tp in sharding.launch_tps(cfg).items():
-        if tp > cores:
-            raise ValueError(f"{flag} {tp} exceeds the {cores} CPU cores of this machine")
+    for flag, p in sharding.launch_parallel(cfg).items():
+        if p.processes > cores:
+            ranks = f" ({p.processes} ranks)" if p.processes != p.tp else ""
+            raise ValueError(f"{p.label(flag)}{ranks} exceeds the {cores} CPU cores of this machine")
 
 
 def dry_run(cfg: LaunchConfig) -> list[str]:
@@ -82,7 +88,7 @@ def dry_run(cfg: LaunchConfig) -> list[str]:
                         "the TP sizes is checked when its node starts")
         else:
             sharding.check_config(cfg, model_cfg, here)
-            sizes = ", ".join(f"{f} {t}" for f, t in sharding.launch_tps(cfg).items())
+            sizes = ", ".join(p.label(f) for f, p in sharding.launch_parallel(cfg).items())
             try:
                 shape = sharding.Shape.from_config(model_cfg).describe()
             except (KeyError, TypeError, ValueError, ZeroDivisionError):
@@ -109,6 +115,10 @@ def _secret_source(cfg: LaunchConfig, here: bool) -> str:
     return f"{SECRET_FILE_ENV} (set here)" if os.environ.get(SECRET_FILE_ENV) else f"{SECRET_ENV} (set here)"
 
 
+def _shape(g: GroupShape) -> Parallel:
+    return Parallel(g.tp, g.attn_dp, g.dp)
+
+
 def check_deployment(model: str, mode: Mode, ports: Ports, groups: Sequence[GroupShape]) -> None:
     """Refuse a deployment a start of one of its nodes would refuse on any machine (ValueError
     naming the groups)."""
@@ -127,7 +137,7 @@ def check_deployment(model: str, mode: Mode, ports: Ports, groups: Sequence[Grou
     name = os.path.basename(model.rstrip("/")) or model
     for g in groups:
         try:
-            sharding.check(name, model_cfg, {"tp": g.tp}, None, messenger_pair=False)
+            sharding.check(name, model_cfg, {"tp": _shape(g)}, None, messenger_pair=False)
         except ValueError as e:
             raise ValueError(f"{g.role.value} group {g.name!r}: {e}") from None
     if mode is not Mode.MESSENGER:
@@ -136,6 +146,7 @@ def check_deployment(model: str, mode: Mode, ports: Ports, groups: Sequence[Grou
     for d in (g for g in groups if g.role is Role.DECODE):
         for p in (by_name[n] for n in d.prefill):
             try:
-                sharding.check(name, model_cfg, {"prefill tp": p.tp, "decode tp": d.tp}, None, messenger_pair=True)
+                sharding.check(name, model_cfg, {"prefill tp": _shape(p), "decode tp": _shape(d)}, None,
+                               messenger_pair=True)
             except ValueError as e:
                 raise ValueError(f"decode group {d.name!r} with prefill group {p.name!r}: {e}") from None

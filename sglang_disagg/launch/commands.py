@@ -91,20 +91,23 @@ def _pinned(cfg: LaunchConfig, role: Role) -> tuple[int, ...]:
     return tuple(server_cores(cfg, role))
 
 
-def _threads_env(cfg: LaunchConfig, role: Role, tp: int) -> dict[str, str]:
+def _threads_env(cfg: LaunchConfig, role: Role, ranks: int) -> dict[str, str]:
+    """`ranks`: the server's rank processes, tp * dp (replica DP: each replica's TP ranks are
+    processes of their own; attention DP runs inside the TP group, tp)."""
     cores = server_cores(cfg, role)
-    env = {"OMP_NUM_THREADS": str(max(1, len(cores) // tp))}
-    if tp > 1:
-        # SGLang's CPU engine binds one OpenMP pool per TP rank: one core set per rank
-        # ("0|1" for TP 2 on 2 cores), ranks share cores when there are fewer.
-        per = max(1, len(cores) // tp)
-        sets = [cores[(r * per) % len(cores):(r * per) % len(cores) + per] for r in range(tp)]
+    env = {"OMP_NUM_THREADS": str(max(1, len(cores) // ranks))}
+    if ranks > 1:
+        # SGLang's CPU engine binds one OpenMP pool per rank, the rank's entry found by its
+        # device id (replica d's rank r: d * tp + r): one core set per rank ("0|1" for TP 2
+        # on 2 cores), ranks share cores when there are fewer.
+        per = max(1, len(cores) // ranks)
+        sets = [cores[(r * per) % len(cores):(r * per) % len(cores) + per] for r in range(ranks)]
         env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(
             f"{s[0]}-{s[-1]}" if len(s) > 1 else str(s[0]) for s in sets)
     return env
 
 
-def _server_base(cfg: LaunchConfig, model_path: str, builtin: bool, port: int, dist_port: int, tp: int,
+def _server_base(cfg: LaunchConfig, model_path: str, builtin: bool, port: int, dist_port: int,
                  role: Role) -> list[str]:
     argv = [
         sys.executable, "-m", "sglang.launch_server",
@@ -112,9 +115,15 @@ def _server_base(cfg: LaunchConfig, model_path: str, builtin: bool, port: int, d
         "--host", cfg.host,
         "--port", str(port),
         "--device", cfg.device,
-        "--tp", str(tp),
-        "--nccl-port", str(dist_port),
+        *cfg.parallel(role).argv(),  # --tp, and --attn-dp-size / --dp-size (parallel.py)
     ]
+    par = cfg.parallel(role)
+    if par.dp == 1:  # replica DP: SGLang gives each replica a free port of its own (one would clash)
+        argv += ["--nccl-port", str(dist_port)]
+    if par.attn_dp > 1:
+        # Attention DP talks over TCP: SGLang derives 7 ports from --dist-init-addr (else from
+        # --port + 233, which collide for a prefill and a decode server one port apart).
+        argv += ["--dist-init-addr", f"127.0.0.1:{cfg.ports.attn_dp_base(role)}"]
     # /v1/models names it "tiny-llama" (or the directory's name), not the path it was loaded
     # from: the router (smg) routes OpenAI requests by that name, so clients must know it.
     argv += ["--served-model-name", cfg.served_model_name]
@@ -157,7 +166,7 @@ def _gpus(cfg: LaunchConfig, role: Role) -> gpu.ServerGpus:
     return placed
 
 
-def _env(cfg: LaunchConfig, role: Role, tp: int, extra: dict[str, str] | None = None) -> tuple[tuple[str, str], ...]:
+def _env(cfg: LaunchConfig, role: Role, ranks: int, extra: dict[str, str] | None = None) -> tuple[tuple[str, str], ...]:
     env = dict(CPU_SERVER_ENV) if cfg.device == "cpu" else {}
     env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] = "0"  # /health answers without the scheduler
     env["SGLANG_DISAGG_CLIENT_ABORT_DELAY_S"] = "0.2"  # a client that left frees its pages at once
@@ -169,7 +178,7 @@ def _env(cfg: LaunchConfig, role: Role, tp: int, extra: dict[str, str] | None = 
         # UCX_NET_DEVICES=lo inherited from the caller's environment would win over its absence.
         env["UCX_NET_DEVICES"] = "all"
     if cfg.device == "cpu":
-        env.update(_threads_env(cfg, role, tp))
+        env.update(_threads_env(cfg, role, ranks))
         # Forked, a server's scheduler and detokenizer skip importing torch and SGLang again
         # (hooks.subprocess_start_method): --role all ready in 15 s instead of 33 s here.
         env[SUBPROCESS_START_ENV] = os.environ.get(SUBPROCESS_START_ENV, "fork")
@@ -192,7 +201,7 @@ def messenger_config(cfg: LaunchConfig, role: Role, log_dir: Path | None = None)
     return MessengerConfig(role=MessengerRole.DECODE, prefill=prefill, metrics_port=ports.decode_metrics, **common)
 
 
-def _messenger_server(cfg: LaunchConfig, role: Role, argv: list[str], tp: int, log_dir: Path | None) -> tuple:
+def _messenger_server(cfg: LaunchConfig, role: Role, argv: list[str], log_dir: Path | None) -> tuple:
     argv += ["--page-size", str(cfg.kv_page_size)]
     if role is Role.PREFILL:  # a decoder keeps SGLang's overlap scheduler (module docstring)
         argv += ["--disable-overlap-schedule"]
@@ -217,7 +226,7 @@ def _messenger_server(cfg: LaunchConfig, role: Role, argv: list[str], tp: int, l
         extra["SGLANG_REQUEST_STATE_WAIT_TIMEOUT"] = "1"  # see the module doc: client aborts during prefill
     if cfg.secret_file:
         extra[SECRET_FILE_ENV] = cfg.secret_file
-    return argv, _env(cfg, role, tp, extra)
+    return argv, _env(cfg, role, cfg.parallel(role).processes, extra)
 
 
 def server_spec(cfg: LaunchConfig, role: Role, model_path: str, builtin: bool,
@@ -233,7 +242,10 @@ def server_spec(cfg: LaunchConfig, role: Role, model_path: str, builtin: bool,
                                    + spec.argv[3:])
     multinode = any(a in ("--nnodes", "--dist-init-addr") or a.startswith(("--nnodes=", "--dist-init-addr="))
                     for a in cfg.extra_args)
-    if log_dir is None or multinode:
+    if log_dir is None or multinode or cfg.parallel(role).dp > 1:
+        # Replica DP: each replica is a torch world of its own; one file (one env variable for
+        # them all) would put every replica's ranks in one rendezvous. SGLang gives each its
+        # own port instead.
         return spec
     # torch's TCPStore for the TP group's rendezvous listens on every interface whatever
     # --host says; a server on one machine meets its ranks through a file instead.
@@ -254,17 +266,17 @@ def _extra(cfg: LaunchConfig) -> list[str]:
 def _server_spec(cfg: LaunchConfig, role: Role, model_path: str, builtin: bool,
                  log_dir: Path | None = None) -> ProcessSpec:
     ports = cfg.ports
+    ranks = cfg.parallel(role).processes
     if role is Role.COLOCATED:
-        argv = _server_base(cfg, model_path, builtin, ports.front, ports.colocated_dist, cfg.prefill_tp, role)
+        argv = _server_base(cfg, model_path, builtin, ports.front, ports.colocated_dist, role)
         if cfg.page_size is not None:
             argv += ["--page-size", str(cfg.page_size)]
-        return ProcessSpec("colocated", tuple(argv + _extra(cfg)), _env(cfg, role, cfg.prefill_tp),
-                           ports.front)
+        return ProcessSpec("colocated", tuple(argv + _extra(cfg)), _env(cfg, role, ranks), ports.front)
     if role is Role.PREFILL:
-        tp, port = cfg.prefill_tp, ports.prefill
-        argv = _server_base(cfg, model_path, builtin, port, ports.prefill_dist, tp, role)
+        port = ports.prefill
+        argv = _server_base(cfg, model_path, builtin, port, ports.prefill_dist, role)
         if cfg.mode is Mode.MESSENGER:
-            argv, env = _messenger_server(cfg, role, argv, tp, log_dir)
+            argv, env = _messenger_server(cfg, role, argv, log_dir)
         else:
             argv += ["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", cfg.transfer_backend,
                      "--disaggregation-bootstrap-port", str(ports.bootstrap)]
@@ -272,20 +284,20 @@ def _server_spec(cfg: LaunchConfig, role: Role, model_path: str, builtin: bool,
                 argv += ["--disable-overlap-schedule"]
             if cfg.page_size is not None:
                 argv += ["--page-size", str(cfg.page_size)]
-            env = _env(cfg, role, tp)
+            env = _env(cfg, role, ranks)
         return ProcessSpec("prefill", tuple(argv + _extra(cfg)), env, port, _pinned(cfg, role))
     if role is Role.DECODE:
-        tp, port = cfg.decode_tp, ports.decode
-        argv = _server_base(cfg, model_path, builtin, port, ports.decode_dist, tp, role)
+        port = ports.decode
+        argv = _server_base(cfg, model_path, builtin, port, ports.decode_dist, role)
         if cfg.mode is Mode.MESSENGER:
-            argv, env = _messenger_server(cfg, role, argv, tp, log_dir)
+            argv, env = _messenger_server(cfg, role, argv, log_dir)
         else:
             argv += ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", cfg.transfer_backend]
             if cfg.device == "cpu":
                 argv += ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
             if cfg.page_size is not None:
                 argv += ["--page-size", str(cfg.page_size)]
-            env = _env(cfg, role, tp)
+            env = _env(cfg, role, ranks)
         return ProcessSpec("decode", tuple(argv + _extra(cfg)), env, port, _pinned(cfg, role))
     raise ValueError(f"{role} is not a server role")
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from sglang_disagg.launch import gpu
+from sglang_disagg.launch.parallel import Parallel, flags as parallel_flags, problem as parallel_problem
 
 
 class Role(str, Enum):
@@ -61,6 +62,11 @@ class Ports:
     @property
     def prefill_dist(self) -> int:
         return self.front + 4
+
+    def attn_dp_base(self, role: Role) -> int:
+        """An attention-DP server's internal ports (SGLang's ZMQ over TCP): 7 from here, in
+        the ten after the stack's own (prefill and colocated) or the ten after those (decode)."""
+        return self.front + (20 if role is Role.DECODE else 10)
 
     @property
     def decode_dist(self) -> int:
@@ -119,6 +125,12 @@ class LaunchConfig:
     device: str = "cpu"
     prefill_tp: int = 1
     decode_tp: int = 1
+    # data parallelism per side (parallel.py): attention-DP groups inside the TP group, or
+    # replicas of it; the colocated server takes the prefill values, as it takes prefill_tp
+    prefill_attn_dp: int = 1
+    decode_attn_dp: int = 1
+    prefill_dp: int = 1
+    decode_dp: int = 1
     dtype: str | None = None  # None: float32 for built-in models, SGLang's default otherwise
     max_total_tokens: int = 8192
     page_size: int | None = None  # None: 16 in messenger mode, SGLang's default upstream
@@ -156,9 +168,10 @@ class LaunchConfig:
             raise ValueError(f"--port {self.port}: must be in 1024..65526 (the stack uses port..port+9)")
         # Whether this machine has the cores for the TP sizes is not checked here: a deployment
         # file's node may be meant for another machine (checks.check_cores, at start).
-        for name, tp in (("--prefill-tp", self.prefill_tp), ("--decode-tp", self.decode_tp)):
-            if tp < 1:
-                raise ValueError(f"{name} must be >= 1, got {tp}")
+        for side in (Role.PREFILL, Role.DECODE):
+            reason = parallel_problem(self.parallel(side), parallel_flags(side.value))
+            if reason:
+                raise ValueError(reason)
         if not 0 <= self.sse_keepalive_s <= 86400:
             raise ValueError(f"--sse-keepalive-secs {self.sse_keepalive_s:g}: must be 0 (none) to 86400 seconds")
         if self.max_total_tokens < 256:
@@ -197,15 +210,27 @@ class LaunchConfig:
             if problem:
                 raise ValueError(problem)
 
+    def parallel(self, role: Role) -> Parallel:
+        """The parallel shape of the `role` server (the colocated server's: the prefill flags)."""
+        if role is Role.DECODE:
+            return Parallel(self.decode_tp, self.decode_attn_dp, self.decode_dp)
+        return Parallel(self.prefill_tp, self.prefill_attn_dp, self.prefill_dp)
+
+    @property
+    def server_roles(self) -> tuple[Role, ...]:
+        """The servers this launch starts on its machine."""
+        return {Role.ALL: (Role.PREFILL, Role.DECODE), Role.ROUTER: ()}.get(self.role, (self.role,))
+
     def gpu_plan(self) -> gpu.GpuPlan:
         """Which GPUs this machine's servers run on (--device cuda, with the GPU count known)."""
         if self.gpus is None:
             raise ValueError("the number of GPUs is not known: pass --gpus N")
-        tps = {Role.ALL: (self.prefill_tp, self.decode_tp), Role.PREFILL: (self.prefill_tp, None),
-               Role.DECODE: (None, self.decode_tp), Role.COLOCATED: (self.prefill_tp, None),
-               Role.ROUTER: (None, None)}[self.role]
+        roles = self.server_roles
+        prefill = next((r for r in roles if r is not Role.DECODE), None)  # the colocated server's too
+        tps = (self.prefill_tp if prefill else None, self.decode_tp if Role.DECODE in roles else None)
+        # replica DP: SGLang puts replica d's rank r on GPU base + (d * tp + r) * step (gpu.py)
         return gpu.plan(self.gpus, *tps, prefill_gpus=self.prefill_gpus, decode_gpus=self.decode_gpus,
-                        share=self.shared_gpu_fraction)
+                        share=self.shared_gpu_fraction, prefill_dp=self.prefill_dp, decode_dp=self.decode_dp)
 
     @property
     def cuda_attention_backend(self) -> str | None:
@@ -251,6 +276,12 @@ class LaunchConfig:
 
             speculative.check_argv(self.extra_args)
             dataparallel.check_argv(self.extra_args)
+            for role in self.server_roles if self.device != "cpu" else ():  # as every server refuses it
+                p = self.parallel(role)
+                _, attn, dp = parallel_flags("decode" if role is Role.DECODE else "prefill")
+                if p.attn_dp > 1 or p.dp > 1:
+                    asked = f"{attn} {p.attn_dp}" if p.attn_dp > 1 else f"{dp} {p.dp}"
+                    raise ValueError(f"{asked} on --device {self.device}: {dataparallel.NOT_ON_DEVICE}")
 
     @property
     def served_model_name(self) -> str:

@@ -17,8 +17,10 @@ group), which prefill groups each decoder may use, and the router.
     name = "prefill-0"
     host = "10.0.0.1"
     tp = 2
+    attn_dp = 1                   # attention-DP groups inside the TP group (--prefill-attn-dp), or
+    dp = 1                        #   replicas of it (--prefill-dp; one machine): launch/parallel.py
     nodes = 1                     # machines in this TP group
-    gpus = 2                      # --device cuda: GPUs on each of its machines (default tp / nodes)
+    gpus = 2                      # --device cuda: GPUs on each of its machines (default tp * dp / nodes)
 
     [[decode]]
     name = "decode-0"
@@ -50,6 +52,7 @@ from typing import Any
 
 from .checks import check_deployment
 from .config import LaunchConfig, Mode, Ports, Role
+from .parallel import Parallel, problem as parallel_problem
 
 ROUTER = "router"
 
@@ -60,7 +63,7 @@ class DeploymentError(ValueError):
 
 @dataclass(frozen=True)
 class Group:
-    """One SGLang server: a prefill or decode TP group."""
+    """One SGLang server: a prefill or decode TP group, with its data parallelism (parallel.py)."""
 
     name: str
     role: Role
@@ -68,11 +71,14 @@ class Group:
     tp: int = 1
     nodes: int = 1
     prefill: tuple[str, ...] = ()  # decode groups: the prefill groups it may use
-    gpus: int | None = None  # --device cuda: GPUs on each of its machines (None: tp / nodes)
+    gpus: int | None = None  # --device cuda: GPUs on each of its machines (None: ranks_per_node)
+    attn_dp: int = 1  # attention-DP groups inside the TP group
+    dp: int = 1  # replicas of the TP group (on one machine)
 
     @property
     def ranks_per_node(self) -> int:
-        return self.tp // self.nodes
+        """Rank processes on each machine: replica DP runs tp * dp (one core or GPU each)."""
+        return self.tp * self.dp // self.nodes
 
 
 @dataclass(frozen=True)
@@ -128,7 +134,8 @@ class Deployment:
                       tls_key_path=self.router_tls_key_path)
         else:
             g = self.group(name)
-            kw = dict(role=g.role, host=g.host, prefill_tp=g.tp, decode_tp=g.tp)
+            kw = dict(role=g.role, host=g.host, prefill_tp=g.tp, decode_tp=g.tp, prefill_attn_dp=g.attn_dp,
+                      decode_attn_dp=g.attn_dp, prefill_dp=g.dp, decode_dp=g.dp)
             if self.device == "cuda":  # the group's machine, planned as such on any machine
                 kw["gpus"] = g.gpus or g.ranks_per_node
             if g.role is Role.DECODE and self.mode is Mode.MESSENGER:
@@ -139,7 +146,7 @@ class Deployment:
 _TOP = {"deployment", "prefill", "decode", "router"}
 _DEPLOYMENT = {"model", "mode", "backend", "provider", "port", "device", "max_total_tokens", "page_size", "image",
                "extra_args", "secret_file", "cpu", "memory"}
-_GROUP = {"name", "host", "tp", "nodes", "prefill", "gpus"}
+_GROUP = {"name", "host", "tp", "attn_dp", "dp", "nodes", "prefill", "gpus"}
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?([KMGTPE]i|[kMGTPE])?$")  # a Kubernetes memory quantity
 
 
@@ -170,17 +177,25 @@ def _group(where: str, t: Any, role: Role) -> Group:
     tp, nodes = _typed(f"{where}.tp", t.get("tp", 1), int), _typed(f"{where}.nodes", t.get("nodes", 1), int)
     if tp < 1 or nodes < 1 or tp % nodes:
         raise DeploymentError(f"{where}: tp {tp} over nodes {nodes} must be >= 1 and split evenly")
-    gpus = t.get("gpus")
-    if gpus is not None and _typed(f"{where}.gpus", gpus, int) < tp // nodes:
-        raise DeploymentError(f"{where}.gpus: {gpus} GPU(s) per machine cannot hold tp {tp} over {nodes} "
-                              f"machine(s): each runs {tp // nodes} rank(s), one per GPU")
+    attn_dp, dp = _typed(f"{where}.attn_dp", t.get("attn_dp", 1), int), _typed(f"{where}.dp", t.get("dp", 1), int)
+    reason = parallel_problem(Parallel(tp, attn_dp, dp), ("tp", "attn_dp", "dp"))
+    if reason:
+        raise DeploymentError(f"{where}: {reason}")
+    if dp > 1 and nodes > 1:
+        raise DeploymentError(f"{where}: dp {dp} over nodes {nodes}: the launcher runs a group's replicas on one "
+                              f"machine; give each machine's replicas a group of their own")
+    gpus, ranks = t.get("gpus"), tp * dp // nodes
+    if gpus is not None and _typed(f"{where}.gpus", gpus, int) < ranks:
+        replicas = f" x dp {dp}" if dp > 1 else ""
+        raise DeploymentError(f"{where}.gpus: {gpus} GPU(s) per machine cannot hold tp {tp}{replicas} over {nodes} "
+                              f"machine(s): each runs {ranks} rank(s), one per GPU")
     prefill = t.get("prefill", None)
     if prefill is not None and role is not Role.DECODE:
         raise DeploymentError(f"{where}.prefill: only decode groups name prefill groups")
     if prefill is not None:
         prefill = tuple(_typed(f"{where}.prefill[{i}]", p, str) for i, p in enumerate(_typed(f"{where}.prefill",
                                                                                                prefill, list)))
-    return Group(name, role, _typed(f"{where}.host", t["host"], str), tp, nodes, prefill or (), gpus)
+    return Group(name, role, _typed(f"{where}.host", t["host"], str), tp, nodes, prefill or (), gpus, attn_dp, dp)
 
 
 def parse(doc: dict) -> Deployment:

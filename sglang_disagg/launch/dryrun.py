@@ -9,8 +9,8 @@ variables the launcher sets for it (not the rest of the environment, which it in
 and its command line, one shell word each quoted. Works on any machine: with ``--gpus N``
 no GPU is looked for (a deployment file's node gets its group's GPUs so); without it the
 GPUs visible here are counted for a node meant for this machine, and where there are none,
-or the node is another machine's, the plan is made for the fewest GPUs the TP sizes need,
-and says so.
+or the node is another machine's, the plan is made for the fewest GPUs the TP sizes need
+(times the replicas of replica DP), and says so.
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ def _gpu_count(cfg: LaunchConfig, here: bool) -> tuple[LaunchConfig, str]:
     seen = visible_gpus() if here else 0  # another machine's node: this one's GPUs say nothing
     if seen:
         return dataclasses.replace(cfg, gpus=seen), f"{seen} GPU(s) (visible here)"
-    tps = {Role.ALL: cfg.prefill_tp + cfg.decode_tp, Role.DECODE: cfg.decode_tp}.get(cfg.role, cfg.prefill_tp)
-    need = max([tps] + [g + 1 for g in cfg.prefill_gpus + cfg.decode_gpus])
+    ranks = sum(cfg.parallel(r).processes for r in cfg.server_roles)  # one GPU per rank, tp * dp a server
+    need = max([ranks] + [g + 1 for g in cfg.prefill_gpus + cfg.decode_gpus])
     return (dataclasses.replace(cfg, gpus=need),
             f"{need} GPU(s) assumed: none visible here; --gpus N plans for a machine with N")
 

@@ -12,7 +12,9 @@ must be evenly spaced (0,1 / 2,3 / 0,2), which ``--prefill-gpus`` / ``--decode-g
 
 Default split on N GPUs (``--role all``): prefill gets GPUs 0..p-1, decode the next d
 when p + d <= N; otherwise the servers share GPUs (decode takes the last d) and each takes
-a bounded share of a shared GPU's memory. A TP size larger than N is refused.
+a bounded share of a shared GPU's memory. A TP size larger than N is refused. p and d count
+rank processes: a server with replica DP (``--prefill-dp``) needs tp * dp GPUs, SGLang placing
+replica k's rank r on base + (k * tp + r) * step; attention DP runs inside the TP group (tp).
 
 Memory on a shared GPU: SGLang's ``--mem-fraction-static`` is the fraction of the memory
 *free when that server starts* that its weights and KV pool may take (the KV budget is
@@ -94,16 +96,18 @@ class GpuPlan:
         return tuple(sorted(set(self.prefill.gpus) & set(self.decode.gpus)))
 
 
-def _check_set(flag: str, ids: tuple[int, ...], tp: int, count: int, where: str) -> None:
-    if len(ids) != tp:
-        raise ValueError(f"{flag} {','.join(map(str, ids))} names {len(ids)} GPU(s) for TP {tp}: give one per rank")
+def _check_set(flag: str, ids: tuple[int, ...], tp: int, dp: int, count: int, where: str) -> None:
+    if len(ids) != tp * dp:
+        ranks = f"TP {tp}" + (f" x {dp} replicas" if dp > 1 else "")
+        raise ValueError(f"{flag} {','.join(map(str, ids))} names {len(ids)} GPU(s) for {ranks}: give one per rank")
     bad = [g for g in ids if not 0 <= g < count]
     if bad:
         raise ValueError(f"{flag}: GPU {bad[0]} does not exist: {where} has GPUs 0..{count - 1}")
     steps = {b - a for a, b in zip(ids, ids[1:])}
     if len(steps) > 1 or (steps and min(steps) < 1):
         raise ValueError(f"{flag} {','.join(map(str, ids))}: SGLang places TP rank r on --base-gpu-id + r * "
-                         f"--gpu-id-step, so a server's GPUs must be increasing and evenly spaced (e.g. 0,1 or 0,2)")
+                         f"--gpu-id-step (replica d's rank r at (d * tp + r) * step), so a server's GPUs must be "
+                         f"increasing and evenly spaced (e.g. 0,1 or 0,2)")
 
 
 def _free_block(count: int, taken: tuple[int, ...], tp: int) -> tuple[int, ...] | None:
@@ -116,24 +120,33 @@ def _free_block(count: int, taken: tuple[int, ...], tp: int) -> tuple[int, ...] 
 
 
 def plan(count: int, prefill_tp: int | None, decode_tp: int | None, prefill_gpus: tuple[int, ...] = (),
-         decode_gpus: tuple[int, ...] = (), share: float = DEFAULT_SHARE, where: str = "this machine") -> GpuPlan:
+         decode_gpus: tuple[int, ...] = (), share: float = DEFAULT_SHARE, where: str = "this machine",
+         prefill_dp: int = 1, decode_dp: int = 1) -> GpuPlan:
     """The GPUs of the servers on this machine: `prefill_tp` / `decode_tp` None when that server
-    is not here. Raises ValueError naming the flag at fault."""
+    is not here; a server with `*_dp` replicas (replica DP) takes tp * dp GPUs, one per rank of
+    each replica (attention DP runs inside the TP group: tp GPUs). Raises ValueError naming the
+    flag at fault."""
     if count < 1:
         raise ValueError(f"{where} has no GPU")
     lo, hi = SHARE_RANGE
     if not lo <= share <= hi:
         raise ValueError(f"--shared-gpu-fraction {share}: must be in {lo}..{hi} (each of two servers sharing a "
                          f"GPU takes that share of its memory; the rest holds activations and CUDA graphs)")
-    for flag, tp, ids in (("--prefill-tp", prefill_tp, prefill_gpus), ("--decode-tp", decode_tp, decode_gpus)):
+    for flag, tp, dp, ids in (("--prefill-tp", prefill_tp, prefill_dp, prefill_gpus),
+                              ("--decode-tp", decode_tp, decode_dp, decode_gpus)):
         if tp is None:
             if ids:
                 raise ValueError(f"{flag.replace('-tp', '-gpus')}: no {flag[2:-3]} server runs on this machine")
             continue
-        if tp > count:
-            raise ValueError(f"{flag} {tp} needs {tp} GPUs and {where} has {count}")
+        if tp * dp > count:
+            replicas = f" with {flag[:-2]}dp {dp}" if dp > 1 else ""
+            raise ValueError(f"{flag} {tp}{replicas} needs {tp * dp} GPUs and {where} has {count}")
         if ids:
-            _check_set(flag.replace("-tp", "-gpus"), ids, tp, count, where)
+            _check_set(flag.replace("-tp", "-gpus"), ids, tp, dp, count, where)
+    if prefill_tp is not None:
+        prefill_tp *= prefill_dp  # from here on: GPUs, one per rank process
+    if decode_tp is not None:
+        decode_tp *= decode_dp
     p = prefill_gpus or None
     d = decode_gpus or None
     if prefill_tp is not None and decode_tp is not None:

@@ -5,8 +5,9 @@ port it serves, and reads the shared secret from a Kubernetes Secret.
 
 - resources: requests = limits (a pod is Guaranteed: an evicted or throttled server stalls
   every request it holds). A server pod: the deployment file's ``cpu``/``memory``, else one
-  core per TP rank plus one (HTTP server, tokenizer, messenger) and a memory default for
-  its device; ``nvidia.com/gpu`` = the group's GPUs per machine on ``--device cuda``.
+  core per rank plus one (HTTP server, tokenizer, messenger) and a memory default for
+  its device; ``nvidia.com/gpu`` = the group's GPUs per machine on ``--device cuda``. A
+  rank: a TP rank, of each replica with replica DP (``dp``: tp * dp ranks).
 - probes: on the container's serving port (named ``http``), SGLang's and smg's ``/health``
   (which the launcher sets to answer without a generation, commands.py). A startup probe
   covers model loading (minutes on GPUs), so liveness cannot kill a server still loading.
@@ -44,7 +45,9 @@ def launcher_argv(cfg: LaunchConfig) -> list[str]:
     argv = ["--role", cfg.role.value, "--model-path", cfg.model]
     for flag, field in (("--port", "port"), ("--host", "host"), ("--mode", "mode"), ("--backend", "backend"),
                         ("--provider", "provider"), ("--device", "device"), ("--prefill-tp", "prefill_tp"),
-                        ("--decode-tp", "decode_tp"), ("--dtype", "dtype"), ("--max-total-tokens", "max_total_tokens"),
+                        ("--decode-tp", "decode_tp"), ("--prefill-attn-dp", "prefill_attn_dp"),
+                        ("--decode-attn-dp", "decode_attn_dp"), ("--prefill-dp", "prefill_dp"),
+                        ("--decode-dp", "decode_dp"), ("--dtype", "dtype"), ("--max-total-tokens", "max_total_tokens"),
                         ("--page-size", "page_size"), ("--transfer-timeout", "transfer_timeout_s"),
                         ("--link-recheck", "link_recheck_s"), ("--sse-keepalive-secs", "sse_keepalive_s"),
                         ("--startup-timeout", "startup_timeout_s"), ("--drain-timeout", "drain_timeout_s"),

@@ -27,7 +27,7 @@ and decoder pods on such nodes only, with ``storage.path`` mounted read-only at 
 
 Where OME's shape differs from a deployment file, the file must fit it (else ValueError):
 OME has one engine and one decoder component, each a Service over identical replicas, so all
-prefill groups share one TP size / machines / GPUs (decode groups likewise) and every decoder
+prefill groups share one TP size / data parallelism / machines / GPUs (decode groups likewise) and every decoder
 may use every prefill group. A decoder reaches the prefill servers through the engine's
 Service: each link lands on one replica per connection, so with several prefill groups the
 load is balanced per decoder, not per request (``render k8s`` names each prefill server). The
@@ -59,11 +59,12 @@ def model_name(dep: Deployment) -> str:
 
 def _shape(dep: Deployment, role: Role) -> Group:
     groups = dep.of(role)
-    shapes = {(g.tp, g.nodes, g.gpus) for g in groups}
+    shapes = {(g.tp, g.attn_dp, g.dp, g.nodes, g.gpus) for g in groups}
     if len(shapes) > 1:
         raise ValueError(f"render ome: OME runs the {role.value} groups as replicas of one component, so they "
-                         f"must share tp, nodes and gpus; these differ: "
-                         + ", ".join(f"{g.name} (tp {g.tp}, nodes {g.nodes}, gpus {g.gpus})" for g in groups))
+                         f"must share tp, attn_dp, dp, nodes and gpus; these differ: "
+                         + ", ".join(f"{g.name} (tp {g.tp}, attn_dp {g.attn_dp}, dp {g.dp}, nodes {g.nodes}, "
+                                     f"gpus {g.gpus})" for g in groups))
     return groups[0]
 
 

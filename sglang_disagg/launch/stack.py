@@ -240,10 +240,12 @@ class Stack:
             named.setdefault(int(address.rsplit(":", 1)[1]), "decode messenger (transfer control, ephemeral)")
         return listening(named, {p.pid: p.spec.name for p in self.processes if p.pid})
 
-    def messenger_stats(self, role: str = "decode") -> dict | None:
-        """The messenger's published counters for `role` (messenger mode), or None."""
+    def messenger_stats(self, role: str = "decode", group: int = 0) -> dict | None:
+        """The messenger's published counters for `role` (messenger mode), or None. A DP
+        server's group g > 0 publishes its own (messenger/node.group_stats_file)."""
+        name = f"{role}.messenger.json" if group == 0 else f"{role}.messenger.group{group}.json"
         try:
-            return json.loads((self.log_dir / f"{role}.messenger.json").read_text())
+            return json.loads((self.log_dir / name).read_text())
         except (OSError, ValueError):
             return None
 

@@ -75,7 +75,7 @@ class DecodeMessenger:
         self.node.metrics.watch(self._gauges)
         if self.ranks.is_leader:
             hello = wire.Hello(decoder=self.node.name, backend=self.backend.name, provider=self.backend.provider,
-                               kv=self.node.spec, ranks=self.node.endpoints)
+                               kv=self.node.spec, ranks=self.node.endpoints, group=self.node.group)
             self.links = Links(self.node, hello, cfg.prefill, cfg.connect_timeout_s, on_change=self.node.wakeup.set,
                                recheck_s=cfg.recheck_s)
             self.node.start_reader(self._on_message)
@@ -123,8 +123,11 @@ class DecodeMessenger:
         return out
 
     def _next_tag(self) -> int:
+        # The server's one backend counts every DP group's writes by tag: group g takes the
+        # tags that are g modulo the number of groups, so no two groups share one.
+        groups, group = self.node.groups, self.node.group
         while True:
-            tag = next(self._tags) % (1 << 32)
+            tag = (next(self._tags) * groups + group) % (1 << 32)
             if tag and not self.backend.is_retired(tag):
                 return tag
 

@@ -27,37 +27,47 @@ logger = logging.getLogger("sglang_disagg.messenger")
 class Intake:
     def __init__(self, node: Node, tp: int, vocab: int) -> None:
         self.node, self.tp, self.vocab = node, tp, vocab
+        # A DP prefill server: every group hears each Hello (it writes into that decoder),
+        # group 0 alone answers it (the decoder awaits one Welcome or Refuse).
+        self.answers = node.group == 0
         self.peers: dict[str, Any] = {}             # decoder key -> control peer
+        self._keys: dict[Any, str] = {}              # control peer -> decoder key, from its Hello
         self._inbox: collections.deque[MessengerInput] = collections.deque()
         self._capacity: dict[str, int] = {}          # decoder key -> pages its regions hold
         self._lost: dict[str, Any] = {}              # decoder key -> the lost peer already handled
 
     def on_message(self, peer: Any, msg: wire.Message) -> None:  # control thread
         if isinstance(msg, wire.Hello):
+            # A decoder is one instance per server; a DP decoder's groups each say Hello.
+            key = f"{peer.id}/{msg.group}"
             reasons = compat.differences(msg.kv, self.node.spec)
             if not reasons:
                 try:
                     ShardPlan.build(self.node.view.geometry, self.tp, msg.kv.tp)
-                    self._capacity[peer.id] = compat.decoder_pages(self.node.view.geometry, msg)
+                    self._capacity[key] = compat.decoder_pages(self.node.view.geometry, msg)
                 except ValueError as e:
                     reasons.append(str(e))
             if reasons:
-                logger.error("messenger: refused decoder %s: %s", msg.decoder, "; ".join(reasons))
-                peer.send(wire.encode(wire.Refuse(prefill=self.node.name, reason="; ".join(reasons))))
+                if self.answers:
+                    logger.error("messenger: refused decoder %s: %s", msg.decoder, "; ".join(reasons))
+                    peer.send(wire.encode(wire.Refuse(prefill=self.node.name, reason="; ".join(reasons))))
                 return
-            self.peers[peer.id] = peer
-            self._inbox.append(DecoderJoined(peer.id, msg))
-            peer.send(wire.encode(wire.Welcome(prefill=self.node.name, kv=self.node.spec, ranks=tuple(
-                wire.RankEndpoint(r.rank, r.address, r.instance, ()) for r in self.node.endpoints))))
+            self.peers[key], self._keys[peer] = peer, key
+            self._inbox.append(DecoderJoined(key, msg))
+            if self.answers:
+                peer.send(wire.encode(wire.Welcome(prefill=self.node.name, kv=self.node.spec, ranks=tuple(
+                    wire.RankEndpoint(r.rank, r.address, r.instance, ()) for r in self.node.endpoints))))
         elif isinstance(msg, wire.PrefillOrder):
-            problem = self.check_order(peer.id, msg)
+            key = self._keys.get(peer, "")
+            problem = self.check_order(key, msg)
             if problem:
+                self.node.order_done(peer.id, msg.tag)
                 peer.send(wire.encode(wire.OrderFailed(rid=msg.rid, tag=msg.tag, reason=problem,
                                                                 blame=wire.Blame.ORDER)))
                 return
-            self._inbox.append(OrderTicket(peer.id, msg))
+            self._inbox.append(OrderTicket(key, msg))
         elif isinstance(msg, wire.Cancel):
-            self._inbox.append(CancelTicket(peer.id, msg.tag))
+            self._inbox.append(CancelTicket(self._keys.get(peer, ""), msg.tag))
         else:
             logger.warning("messenger: unexpected %s from %s", type(msg).__name__, peer.address)
             return

@@ -19,6 +19,9 @@ from ..backends.regions import HOST, cuda
 from .. import cumem, handover, shm
 from . import compat, speculative, wire
 from .config import MessengerConfig, MessengerRole
+from .dpgroup import Place
+from .dpowner import Owner
+from .dpproxy import ProxyBackend
 from .kvpool import KVPoolView
 from .metrics import MessengerMetrics
 from .ranks import RankGroup
@@ -38,11 +41,10 @@ class Node:
     decisions through the scheduler's broadcast and ranks.agree()."""
 
     def __init__(self, cfg: MessengerConfig, scheduler: Any) -> None:
-        from sglang.srt.runtime_context import get_parallel
-
-        par = get_parallel()
         self.cfg = cfg
-        self.ranks = RankGroup(par.tp_rank, par.tp_size, scheduler.tp_cpu_group)
+        place = Place.of(scheduler, cfg.role.value)
+        self.group, self.groups = place.group, place.groups
+        self.ranks = RankGroup(place.rank, place.size, place.cpu_group)
         pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
         self.view = KVPoolView.from_pool(pool, scheduler.model_config.get_total_num_kv_heads(),
                                          speculative.draft_pool(scheduler))
@@ -65,16 +67,23 @@ class Node:
                 fds = inbox.collect({r: backings[r] for r in range(1, self.ranks.size)})
             finally:
                 inbox.close()
-        self.backend: TransferBackend | None = None
+        self.backend: TransferBackend | ProxyBackend | None = None
+        self.owner: Owner | None = None
         self.regions: dict[int, list[Any]] = {}  # rank -> its (layer, kind) regions, leader only
         self.addresses: dict[int, list[int]] = {}  # rank -> where those regions are mapped here (leader)
         self._mappings: list[shm.Mapping | cumem.Imported] = []
         endpoints: list[wire.RankEndpoint] = []
-        if self.ranks.is_leader:
+        if self.ranks.is_leader and self.group > 0:
+            # One backend per server: this DP group's leader reaches the owner's.
+            self.backend = ProxyBackend(place.owner_socket, self.group, OWNER_WAIT_S)
+        elif self.ranks.is_leader:
             listen = cfg.port if cfg.role is MessengerRole.PREFILL else 0
             self.backend = create_backend(cfg.backend, BackendConfig(
                 provider=cfg.provider, host=cfg.host, port=listen, secret=_require_secret(),
                 handshake_timeout_s=min(2.0, cfg.connect_timeout_s)))
+            if self.groups > 1:
+                self.owner = Owner(self.backend, place.owner_socket, cfg.role, self.groups)
+        if self.ranks.is_leader:
             for rank in range(self.ranks.size):
                 if rank == 0:
                     regions, descriptors = self.view.register(self.backend)
@@ -93,15 +102,17 @@ class Node:
         self.spec = self.view.spec(os.path.basename(str(name).rstrip("/")), compat.fingerprint(model_path),
                                    self.ranks.size, *speculative.draft_identity(args))
         self.wakeup = Wakeup()
-        self.stats_file = StatsFile(cfg.stats_file if self.ranks.is_leader else "")
-        # Every rank updates its own registry; only the leader's is served.
-        self.metrics = MessengerMetrics(cfg.role.value, cfg.host, cfg.metrics_port if self.ranks.is_leader else 0)
+        self.stats_file = StatsFile(group_stats_file(cfg.stats_file, self.group) if self.ranks.is_leader else "")
+        # Every rank updates its own registry; only the owner's is served (one port per server).
+        self.metrics = MessengerMetrics(cfg.role.value, cfg.host,
+                                        cfg.metrics_port if self.ranks.is_leader and self.group == 0 else 0)
         self._stop = threading.Event()
         self._reader: threading.Thread | None = None
         if self.backend is not None:
-            logger.info("messenger %s: %s/%s on %s drives the KV of %d rank(s), %d regions each (%s, page %d)",
+            logger.info("messenger %s: %s/%s on %s drives the KV of %d rank(s), %d regions each (%s, page %d)%s",
                         cfg.role.value, self.backend.name, self.backend.provider or "-", self.backend.address,
-                        self.ranks.size, len(self.regions[0]), self.view.geometry.layout.value, self.page_size)
+                        self.ranks.size, len(self.regions[0]), self.view.geometry.layout.value, self.page_size,
+                        f"; DP group {self.group} of {self.groups}" if self.groups > 1 else "")
 
     def _register_peer_rank(self, rank: int, backings: list[Any], fds: dict[int, int]) -> tuple[list[Any], list[str]]:
         """Map one rank's buffers here and register them. GPU: each cuMem allocation is
@@ -133,7 +144,10 @@ class Node:
         return regions, descriptors
 
     def start_reader(self, handle: Callable[[Any, wire.Message], None]) -> None:
-        """Leader only: read control messages from peers and hand decoded ones to `handle`."""
+        """Leader only: read control messages from peers and hand decoded ones to `handle`
+        (a DP server's owner hands each to the group it is for, dpowner.py)."""
+        if self.owner is not None:
+            self.owner.local = handle
         def loop() -> None:
             while not self._stop.is_set():
                 try:
@@ -150,7 +164,10 @@ class Node:
                     if msg is None:
                         continue
                 try:
-                    handle(peer, msg)
+                    if self.owner is not None:  # a DP server's owner: every group's messages arrive here
+                        self.owner.dispatch(peer, raw, msg)
+                    else:
+                        handle(peer, msg)
                 except Exception:  # noqa: BLE001 - one bad message must not stop the reader
                     logger.exception("messenger: handling %s from %s failed", type(msg).__name__, peer.address)
         self._reader = NamedThread(target=loop, name="messenger-control", daemon=True)
@@ -184,12 +201,23 @@ class Node:
                 # One backend instance in the whole server drives every rank's KV.
                 "backends": self.backends_in_server, "ranks_driven": len(self.regions),
                 "page_size": self.page_size, "layout": self.view.geometry.layout.value,
+                "dp_group": self.group, "dp_groups": self.groups,
                 # Structured output lives on decoders only: a prefill server compiles none.
                 "grammars_compiled": len(getattr(grammar, "cache", ()) or ())}
+
+    def order_done(self, instance: str, tag: int) -> None:
+        """Prefill, DP: this group finished an order of decoder `instance` (the owner gives
+        the next order to the group with the fewest outstanding)."""
+        if self.owner is not None:
+            self.owner.order_done(instance, tag)
+        elif isinstance(self.backend, ProxyBackend):
+            self.backend.order_done(instance, tag)
 
     def close(self) -> None:
         self._stop.set()
         self.metrics.close()
+        if self.owner is not None:
+            self.owner.close()
         if self.backend is not None:
             self.backend.close()
         if self._reader is not None:
@@ -197,6 +225,17 @@ class Node:
         for m in self._mappings:
             m.close()
         self.wakeup.close()
+
+
+OWNER_WAIT_S = 120.0  # the owner (group 0's leader) loads its model at the same time
+
+
+def group_stats_file(path: str, group: int) -> str:
+    """Group 0 publishes at `path`; group g at x.groupG.json next to it."""
+    if not path or group == 0:
+        return path
+    stem, dot, ext = path.rpartition(".")
+    return f"{stem}.group{group}.{ext}" if dot else f"{path}.group{group}"
 
 
 def _require_secret() -> bytes:

@@ -377,6 +377,8 @@ class PrefillMessenger:
             m.observe_ttft("tail", t.get("forward_end"), max(t.get("last_write", 0.0), t.get("forward_end", 0.0)))
             if "first_post" in t and "last_write" in t:
                 m.transfer.observe(max(0.0, t["last_write"] - t["first_post"]))
+        if self.intake is not None:
+            self.node.order_done(rec.key.rpartition("/")[0], rec.order.tag)
         if self.intake is not None and (rec.cancelled or failed):
             self.intake.send(rec.key, wire.Released(rid=rec.order.rid, tag=rec.order.tag) if rec.cancelled else
                              wire.OrderFailed(rid=rec.order.rid, tag=rec.order.tag,

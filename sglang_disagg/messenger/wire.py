@@ -8,7 +8,8 @@ backend's per-peer channel (``Peer.send`` / ``TransferBackend.recv``).
 
 Flow (decoder D, prefill server P)::
 
-    D -> P  Hello        first contact: KV spec, TP ranks, region descriptors
+    D -> P  Hello        first contact: KV spec, TP ranks, region descriptors (and, from a
+                         DP decoder, which group's pool: one Hello per group and connection)
     P -> D  Welcome      compatible: P's KV spec and ranks      | Refuse(reason)
     D -> P  PrefillOrder compute token_ids, write pages into dst_pages with immediate `tag`
     P -> D  OrderFailed  P could not serve it: fail it now; `blame` says whether the order
@@ -28,8 +29,8 @@ import typing
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
-WIRE_VERSION = 5  # 2: OrderFailed.blame; 3: KVSpec.draft/draft_layers, PrefillOrder.last_token;
-# 4: KVSpec.draft_hidden_size; 5: KVSpec.kv_lora_rank/rope_dim/replicated (MLA)
+WIRE_VERSION = 6  # 2: OrderFailed.blame; 3: KVSpec.draft/draft_layers, PrefillOrder.last_token;
+# 4: KVSpec.draft_hidden_size; 5: KVSpec.kv_lora_rank/rope_dim/replicated (MLA); 6: Hello.group (DP)
 MAX_TOKENS = 1 << 20
 
 
@@ -93,6 +94,9 @@ class Hello(Message):
     provider: str
     kv: KVSpec
     ranks: tuple[RankEndpoint, ...]
+    # The decoder's DP group whose pool `ranks` describe (0 without DP): each group of a DP
+    # decoder says Hello on a connection of its own, and its orders name pages of its pool.
+    group: int = 0
 
 
 @dataclass(frozen=True, slots=True)

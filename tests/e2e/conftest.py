@@ -78,31 +78,46 @@ class StackSpec:
     decode_tp: int = 1
     env: tuple[tuple[str, str], ...] = field(default=())
     extra_args: tuple[str, ...] = ()  # SGLang flags for every server, after COMMON_ARGS
+    # data parallelism (the launcher's --prefill-attn-dp, --decode-attn-dp, --prefill-dp, --decode-dp)
+    prefill_attn_dp: int = 1
+    decode_attn_dp: int = 1
+    prefill_dp: int = 1
+    decode_dp: int = 1
+
+    @property
+    def dp(self) -> str:
+        shape = (self.prefill_attn_dp, self.decode_attn_dp, self.prefill_dp, self.decode_dp)
+        return "" if shape == (1, 1, 1, 1) else "-dp" + "".join(map(str, shape))
 
     @property
     def label(self) -> str:
         return (f"{self.role.value}-{self.mode.value}-{self.backend or 'default'}-{self.provider or ''}-"
-                f"{self.model}-tp{self.prefill_tp}{self.decode_tp}")
+                f"{self.model}-tp{self.prefill_tp}{self.decode_tp}{self.dp}")
 
 
-def next_port() -> int:
-    """The next block of ten ports for a stack, skipping a block where something already
-    listens: SGLang's internal listeners take ports of their own, which can land in a block
-    the counter has not handed out yet (seen once: a colocated server's port in use)."""
+def next_port(blocks: int = 1) -> int:
+    """The next `blocks` blocks of ten ports for a stack (3 with attention DP: config.Ports),
+    skipping blocks where something already listens: SGLang's internal listeners take ports
+    of their own, which can land in a block the counter has not handed out yet (seen once: a
+    colocated server's port in use)."""
     from sglang_disagg.launch.preflight import _held
 
     for _ in range(20):
         port = next(_ports)
-        if not any(_held("127.0.0.1", p) for p in range(port, port + 10)):
+        for _ in range(blocks - 1):
+            next(_ports)
+        if not any(_held("127.0.0.1", p) for p in range(port, port + 10 * blocks)):
             return port
     raise RuntimeError("20 blocks of ten test ports in a row are in use: is an earlier stack still running?")
 
 
 def start_stack(tmp_root: Path, spec: StackSpec, **kwargs) -> Stack:
-    port = next_port()
+    port = next_port(3 if spec.dp else 1)
     cfg = LaunchConfig(
         role=spec.role, model=spec.model, port=port, mode=spec.mode, backend=spec.backend, provider=spec.provider,
         prefill_tp=spec.prefill_tp, decode_tp=spec.decode_tp, max_total_tokens=4096,
+        prefill_attn_dp=spec.prefill_attn_dp, decode_attn_dp=spec.decode_attn_dp, prefill_dp=spec.prefill_dp,
+        decode_dp=spec.decode_dp,
         extra_args=COMMON_ARGS + spec.extra_args,
         env=spec.env, log_dir=str(tmp_root / f"{spec.label}-{port}"), **kwargs,
     )

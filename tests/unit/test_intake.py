@@ -23,10 +23,10 @@ class FakePeer:
 
 
 def intake_with(key: str = "d1", capacity: int = 64) -> tuple[Intake, FakePeer]:
-    node = types.SimpleNamespace(page_size=16, wakeup=threading.Event())
+    node = types.SimpleNamespace(page_size=16, wakeup=threading.Event(), group=0, order_done=lambda *a: None)
     intake = Intake(node, tp=1, vocab=4096)
     peer = FakePeer(key)
-    intake.peers[key] = peer
+    intake.peers[key], intake._keys[peer] = peer, key  # as its Hello left them
     intake._capacity[key] = capacity
     return intake, peer
 

@@ -140,7 +140,7 @@ def test_ome_serves_a_model_directory_from_the_base_models_path():
 
 @pytest.mark.parametrize("change, why", [
     (lambda dep: dataclasses.replace(dep, groups=(dataclasses.replace(dep.groups[0], tp=4, gpus=4),) + dep.groups[1:]),
-     "must share tp, nodes and gpus"),
+     "must share tp, attn_dp, dp, nodes and gpus"),
     (lambda dep: dataclasses.replace(dep, groups=dep.groups[:2] + (dataclasses.replace(dep.groups[2],
                                                                                        prefill=("prefill-0",)),)),
      "decode group 'decode-0' may use prefill-0 only"),

@@ -36,19 +36,19 @@ def test_every_message_round_trips_with_named_fields(msg):
     (b"\xff\xfe", "not valid JSON"),
     (b"[1, 2]", "JSON object"),
     (b'{"type": "cancel", "v": 99, "rid": "r", "tag": 1}', "wire version 99"),
-    (b'{"type": "teleport", "v": 5}', "unknown message type"),
-    (b'{"type": "cancel", "v": 5, "rid": "r"}', r"missing \['tag'\]"),
-    (b'{"type": "cancel", "v": 5, "rid": "r", "tag": 1, "extra": 0}', r"unexpected \['extra'\]"),
-    (b'{"type": "cancel", "v": 5, "rid": 5, "tag": 1}', "cancel.rid: expected a string"),
-    (b'{"type": "cancel", "v": 5, "rid": "r", "tag": -1}', "non-negative integer"),
-    (b'{"type": "cancel", "v": 5, "rid": "r", "tag": true}', "non-negative integer"),
-    (b'{"type": "prefill", "v": 5, "rid": "r", "tag": 1, "token_ids": [1, "x"], "dst_pages": [], "start_page": 0, "last_token": 5}',
+    (b'{"type": "teleport", "v": 6}', "unknown message type"),
+    (b'{"type": "cancel", "v": 6, "rid": "r"}', r"missing \['tag'\]"),
+    (b'{"type": "cancel", "v": 6, "rid": "r", "tag": 1, "extra": 0}', r"unexpected \['extra'\]"),
+    (b'{"type": "cancel", "v": 6, "rid": 5, "tag": 1}', "cancel.rid: expected a string"),
+    (b'{"type": "cancel", "v": 6, "rid": "r", "tag": -1}', "non-negative integer"),
+    (b'{"type": "cancel", "v": 6, "rid": "r", "tag": true}', "non-negative integer"),
+    (b'{"type": "prefill", "v": 6, "rid": "r", "tag": 1, "token_ids": [1, "x"], "dst_pages": [], "start_page": 0, "last_token": 5}',
      r"token_ids\[1\]"),
-    (b'{"type": "prefill", "v": 5, "rid": "r", "tag": 1, "token_ids": 3, "dst_pages": [], "start_page": 0, "last_token": 5}',
+    (b'{"type": "prefill", "v": 6, "rid": "r", "tag": 1, "token_ids": 3, "dst_pages": [], "start_page": 0, "last_token": 5}',
      "token_ids: expected a list"),
 ])
 def test_malformed_messages_are_refused_with_the_reason(raw, error):
-    assert wire.WIRE_VERSION == 5  # the cases above are written for it
+    assert wire.WIRE_VERSION == 6  # the cases above are written for it
     with pytest.raises(wire.WireError, match=error):
         wire.decode(raw)
 

@@ -118,15 +118,46 @@ def test_the_draft_pool_is_planned_after_the_target_and_compared_at_first_contac
 
 @pytest.mark.parametrize("extra", [["--attn-dp-size", "2"], ["--attn-dp-size=2"], ["--dp-size", "2"],
                                    ["--data-parallel-size=4"], ["--enable-dp-attention", "--dp-size", "2"]])
-def test_data_parallelism_is_refused_in_messenger_mode_with_the_reason(extra):
-    from sglang_disagg.messenger.dataparallel import UnsupportedParallelism, check_server_args
+def test_sglangs_own_data_parallel_flags_are_refused_in_messenger_mode_naming_the_launchers(extra):
+    from sglang_disagg.messenger.dataparallel import UnsupportedParallelism
 
     for role in (["--role", "all"], ["--role", "prefill"]):
-        with pytest.raises(UnsupportedParallelism, match="not carried by the messenger yet.*--role colocated"):
+        with pytest.raises(UnsupportedParallelism, match=r"set by the launcher's --prefill(-attn)?-dp/--decode(-attn)?"
+                                                         r"-dp .*the other shape: --prefill(-attn)?-dp"):
             parse([*role, "--model-path", "tiny-deepseek-v3", "--prefill-tp", "2", *extra])
     cfg, _ = parse(["--role", "colocated", "--model-path", "tiny-deepseek-v3", "--tp", "2", *extra])
     assert extra[0].split("=")[0] in " ".join(cfg.extra_args)  # colocated runs what SGLang runs
     parse(["--role", "all", "--dp-size", "1"])  # a size of 1 is no data parallelism
-    with pytest.raises(UnsupportedParallelism, match=r"attn_dp_size=2: attention DP"):
-        check_server_args(SimpleNamespace(dp_size=1, attn_dp_size=2))
-    check_server_args(SimpleNamespace(dp_size=1, attn_dp_size=1))
+
+
+def test_the_refusal_names_the_launcher_flag_for_the_shape_asked_for():
+    from sglang_disagg.messenger.dataparallel import UnsupportedParallelism, check_argv as check_dp_argv
+
+    with pytest.raises(UnsupportedParallelism, match=r"^--dp-size 3: .* launcher's --prefill-dp/--decode-dp \(replica"):
+        check_dp_argv(["--dp-size", "3"])
+    with pytest.raises(UnsupportedParallelism, match=r"^--enable-dp-attention: .* --prefill-attn-dp/--decode-attn-dp "
+                                                      r"\(attention"):
+        check_dp_argv(["--enable-dp-attention"])
+    check_dp_argv(["--dp-size", "1", "--attn-dp-size=1", "--dp-size", "x"])  # no DP; SGLang reports a bad size
+
+
+def test_a_messenger_server_accepts_one_shape_of_data_parallelism_on_cpu_only():
+    import re
+
+    from sglang_disagg.messenger.dataparallel import NOT_ON_DEVICE, UnsupportedParallelism, check_server_args
+
+    check_server_args(SimpleNamespace(dp_size=1, attn_dp_size=2, device="cpu"))
+    check_server_args(SimpleNamespace(dp_size=2, attn_dp_size=1, device="cpu"))
+    check_server_args(SimpleNamespace(dp_size=1, attn_dp_size=1, device="cuda"))  # no DP: any device
+    with pytest.raises(UnsupportedParallelism, match=r"dp_size=2 with attn_dp_size=2: replica DP and attention DP"):
+        check_server_args(SimpleNamespace(dp_size=2, attn_dp_size=2, device="cpu"))
+    with pytest.raises(UnsupportedParallelism, match=r"^attention DP \(attn_dp_size=2\) on device cuda: "
+                                                      + re.escape(NOT_ON_DEVICE)):
+        check_server_args(SimpleNamespace(dp_size=1, attn_dp_size=2, device="cuda"))
+    # SGLang's resolution turns the deprecated --enable-dp-attention --dp-size 2 into attn_dp_size 2,
+    # dp_size 1 in a declaration and leaves the raw dp_size at 2: the check reads the resolved one.
+    deprecated = SimpleNamespace(dp_size=2, attn_dp_size=1, device="cuda",
+                                 _resolved_overrides=[("_handle_deprecated_dp_attention",
+                                                       {"attn_dp_size": 2, "dp_size": 1})])
+    with pytest.raises(UnsupportedParallelism, match=r"^attention DP \(attn_dp_size=2\)"):
+        check_server_args(deprecated)

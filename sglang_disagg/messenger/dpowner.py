@@ -1,0 +1,255 @@
+"""The owner of a data-parallel server's one transfer backend: the leader of DP group 0.
+
+With data parallelism SGLang runs one scheduler per DP group (attention DP: each group's
+attention-TP rank 0; replica DP: each replica's TP rank 0), each with its own KV pool and
+requests, in processes of their own. Each group runs its own messenger (prefill.py /
+decode.py over its own ranks), a logical messenger; the server still has ONE backend and
+one set of ports, held here. Other groups' leaders reach it through dpproxy.ProxyBackend
+over a Unix socket (groupwire.py); their pools are shared memory, mapped and registered
+here as the TP ranks' are (node.py).
+
+Who gets a peer's control message (the owner's control thread reads them all, `dispatch`):
+- decode: the group that opened the connection it came on (each group keeps its own links
+  to the prefill servers, its own Hello naming its group and its pool);
+- prefill: a Hello goes to every group (each must know the decoder's regions; group 0
+  alone answers), an order to the group with the fewest orders outstanding (ties: the
+  lowest group), a cancel to the group that took the order, anything else to group 0.
+Peer states are mirrored to the groups using them (polled every STATE_POLL_S).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from .. import shm
+from ..backends.regions import HOST, PeerState
+from ..threads import Thread as NamedThread
+from . import groupwire as gw, wire
+from .config import MessengerRole
+
+logger = logging.getLogger("sglang_disagg.messenger")
+STATE_POLL_S = 0.05  # a lost peer must reach the groups within the links' 2 s promise
+
+
+class Owner:
+    def __init__(self, backend: Any, path: str, role: MessengerRole, groups: int,
+                 local: Callable[[Any, wire.Message], None] | None = None) -> None:
+        self.backend, self.role, self.groups = backend, role, groups
+        self.local = local  # group 0's own handler (set when its messenger starts its reader)
+        self._lock = threading.Lock()
+        self._conns: dict[int, gw.Channel] = {}
+        self._regions: dict[int, list[Any]] = {}      # group -> MemoryRegions registered for it
+        self._mappings: list[shm.Mapping] = []
+        self._pids = itertools.count(1)
+        self._peers: dict[int, Any] = {}              # pid -> the backend's Peer
+        self._pid_of: dict[int, int] = {}             # id(Peer) -> pid
+        self._users: dict[int, set[int]] = {}         # pid -> groups told about it
+        self._states: dict[int, PeerState] = {}       # pid -> state last told
+        self._opened_by: dict[int, int] = {}          # id(Peer) -> the group that connected it (decode)
+        self._remotes: dict[int, Any] = {}
+        self._remote_ids = itertools.count(1)
+        self.outstanding = [0] * groups               # prefill: orders given to each group, not done
+        self._orders: dict[tuple[str, int], int] = {}  # (decoder instance, tag) -> group
+        self._stop = threading.Event()
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(path)
+        self._listener.listen(groups)
+        self._threads = [NamedThread(target=self._accept, name="dp-owner-accept", daemon=True),
+                         NamedThread(target=self._watch, name="dp-owner-watch", daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    # ----- the owner's control thread -------------------------------------------------------
+    def dispatch(self, peer: Any, raw: bytes, msg: wire.Message) -> None:
+        if self.role is MessengerRole.DECODE:
+            targets = [self._opened_by.get(id(peer), 0)]
+        elif isinstance(msg, wire.Hello):
+            targets = list(range(self.groups))
+        elif isinstance(msg, wire.PrefillOrder):
+            with self._lock:
+                live = [g for g in range(self.groups) if g == 0 or g in self._conns]
+                g = min(live, key=lambda g: (self.outstanding[g], g))
+                self.outstanding[g] += 1
+                self._orders[(peer.id, msg.tag)] = g
+            targets = [g]
+        elif isinstance(msg, wire.Cancel):
+            targets = [self._orders.get((peer.id, msg.tag), 0)]
+        else:
+            targets = [0]
+        for g in targets:
+            if g == 0:
+                if self.local is not None:
+                    self.local(peer, msg)
+                continue
+            conn = self._conns.get(g)
+            if conn is None:
+                logger.warning("messenger: DP group %d is not connected: %s from %s dropped", g,
+                               type(msg).__name__, peer.address)
+                continue
+            with contextlib.suppress(OSError):
+                conn.send(gw.Delivery(self._pid(peer, g), peer.id, peer.address, raw.decode()))
+
+    def order_done(self, instance: str, tag: int) -> None:
+        with self._lock:
+            g = self._orders.pop((instance, tag), None)
+            if g is not None:
+                self.outstanding[g] -= 1
+
+    # ----- group connections ------------------------------------------------------------------
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            NamedThread(target=self._serve, args=(gw.Channel(sock),), name="dp-owner-group", daemon=True).start()
+
+    def _serve(self, chan: gw.Channel) -> None:
+        try:
+            join = chan.read()
+            if not isinstance(join, gw.Join) or not 0 < join.group < self.groups:
+                raise gw.GroupWireError(f"expected Join of a group in 1..{self.groups - 1}, got {join}")
+            b = self.backend
+            chan.send(gw.Joined(b.name, b.provider or "", b.address, b.instance))
+        except (EOFError, OSError, gw.GroupWireError) as e:
+            logger.error("messenger: a DP group's connection to the owner failed: %s", e)
+            chan.close()
+            return
+        g = join.group
+        with self._lock:
+            self._conns[g] = chan
+            self._regions.setdefault(g, [])
+        logger.info("messenger: DP group %d joined the server's messenger", g)
+        while not self._stop.is_set():
+            try:
+                call = chan.read()
+            except (EOFError, OSError, gw.GroupWireError) as e:
+                logger.error("messenger: DP group %d left: %s", g, e)
+                break
+            if isinstance(call, gw.Call):
+                if call.op == gw.Op.CONNECT.value:  # may take seconds: the group's other calls go on
+                    NamedThread(target=self._call, args=(chan, g, call), name="dp-owner-connect", daemon=True).start()
+                else:
+                    self._call(chan, g, call)
+        with self._lock:
+            if self._conns.get(g) is chan:
+                del self._conns[g]
+        chan.close()
+
+    def _call(self, chan: gw.Channel, g: int, call: gw.Call) -> None:
+        try:
+            result = getattr(self, f"_op_{call.op}")(chan, g, **call.args)
+        except Exception as e:  # noqa: BLE001 - the group gets the error as its backend would raise it
+            if call.id:
+                cause = type(e.__cause__).__name__ if e.__cause__ is not None else ""
+                self._reply(chan, gw.Reply(call.id, None, str(e) or type(e).__name__, type(e).__name__, cause))
+            elif "future" in call.args:
+                self._reply(chan, gw.Done(call.args["future"], str(e) or type(e).__name__, type(e).__name__))
+            else:
+                logger.warning("messenger: DP group %d: %s failed: %s", g, call.op, e)
+            return
+        if call.id:
+            self._reply(chan, gw.Reply(call.id, result))
+
+    @staticmethod
+    def _reply(chan: gw.Channel, msg: gw.Message) -> None:
+        with contextlib.suppress(OSError):
+            chan.send(msg)
+
+    def _done(self, chan: gw.Channel, fid: int, fut: Any) -> None:  # backend thread
+        err = fut.exception()
+        self._reply(chan, gw.Done(fid) if err is None else gw.Done(fid, str(err) or type(err).__name__,
+                                                                     type(err).__name__))
+
+    # ----- operations (named after groupwire.Op) -------------------------------------------------
+    def _op_register(self, chan, g, path, offset, inode, dev, target, length):
+        m = shm.Mapping(shm.Backing(path, offset, inode, dev, target), length)
+        self._mappings.append(m)
+        region, desc = self.backend.register(m.addr, length, HOST)
+        with self._lock:
+            self._regions[g].append(region)
+            return {"region": len(self._regions[g]) - 1, "descriptor": desc.decode()}
+
+    def _op_connect(self, chan, g, address, timeout_s):
+        peer = self.backend.connect(address, timeout_s)
+        self._opened_by[id(peer)] = g
+        return {"peer": self._pid(peer, g), "instance": peer.id, "address": peer.address}
+
+    def _op_send(self, chan, g, peer, data):
+        self._peers[peer].send(data.encode())
+
+    def _op_add_remote(self, chan, g, peer, raw):
+        remote = self._peers[peer].add_remote_region(raw)
+        rid = next(self._remote_ids)
+        self._remotes[rid] = remote
+        return rid
+
+    def _op_write_pages(self, chan, g, future, peer, src, src_pages, src_stride, dst, dst_pages, dst_stride, length,
+                        imm, src_offset, dst_offset):
+        fut = self.backend.write_pages(self._peers[peer], self._regions[g][src], src_pages, src_stride,
+                                       self._remotes[dst], dst_pages, dst_stride, length, imm, src_offset, dst_offset)
+        fut.add_done_callback(lambda f: self._done(chan, future, f))
+
+    def _op_expect(self, chan, g, future, tag, count, timeout_s, peers):
+        fut = self.backend.expect(tag, count, timeout_s, None if peers is None else set(peers))
+        fut.add_done_callback(lambda f: self._done(chan, future, f))
+
+    def _op_retire(self, chan, g, tag, reason):
+        self.backend.retire(tag, reason)
+
+    def _op_forget(self, chan, g, tag):
+        self.backend.forget(tag)
+
+    def _op_is_retired(self, chan, g, tag):
+        return self.backend.is_retired(tag)
+
+    def _op_stats(self, chan, g):
+        return self.backend.stats()
+
+    def _op_close_peer(self, chan, g, peer):
+        p = self._peers.get(peer)
+        if p is not None:
+            p.close()
+
+    def _op_order_done(self, chan, g, instance, tag):
+        self.order_done(instance, tag)
+
+    # ----- peers ------------------------------------------------------------------------------
+    def _pid(self, peer: Any, g: int) -> int:
+        with self._lock:
+            pid = self._pid_of.get(id(peer))
+            if pid is None:
+                pid = self._pid_of[id(peer)] = next(self._pids)
+                self._peers[pid] = peer
+                self._states[pid] = peer.state
+            self._users.setdefault(pid, set()).add(g)
+            return pid
+
+    def _watch(self) -> None:
+        """Tell the groups using a peer that it was lost or closed."""
+        while not self._stop.wait(STATE_POLL_S):
+            with self._lock:
+                changed = [(pid, p.state, set(self._users.get(pid, ()))) for pid, p in self._peers.items()
+                           if p.state is not self._states[pid]]
+                for pid, state, _ in changed:
+                    self._states[pid] = state
+                conns = dict(self._conns)
+            for pid, state, users in changed:
+                for g in users:
+                    if g in conns:
+                        self._reply(conns[g], gw.PeerState(pid, state.value))
+
+    def close(self) -> None:
+        self._stop.set()
+        with contextlib.suppress(OSError):
+            self._listener.close()
+        for chan in list(self._conns.values()):
+            chan.close()
+        for m in self._mappings:
+            m.close()

@@ -1,0 +1,266 @@
+"""The transfer backend as a DP group other than the owner's sees it: the server's one
+backend, in the owner process (dpowner.py), reached over the group's Unix socket.
+
+A group's messenger (prefill.py / decode.py, unchanged) calls what it calls on a real
+backend: register, connect, recv, write_pages, expect, retire, is_retired, stats, close, and
+on peers send, add_remote_region, close, state. Each becomes a groupwire Call. Writes and
+expectations return a TransferFuture at once, completed by the owner's Done; peers' control
+messages the owner gives this group arrive as Delivery and are read by recv(). Errors keep
+their backends.errors class (and a refused connection its cause), so the messenger tells a
+lost peer from a refused one as it does with a real backend.
+
+The owner gone (its process died): every pending call and future fails with PeerLostError,
+every peer is LOST and recv() raises, so the group's requests fail with the reason at once
+and the server reports unhealthy (Node.health).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import socket
+import threading
+import time
+from typing import Any
+
+from .. import shm
+from ..backends import errors
+from ..backends.errors import DeadlineExceeded, PeerLostError, TransferError
+from ..backends.future import TransferFuture
+from ..backends.regions import HOST, MemoryKind, PeerState
+from ..threads import Thread as NamedThread
+from . import groupwire as gw
+
+logger = logging.getLogger("sglang_disagg.messenger")
+CALL_TIMEOUT_S = 30.0  # an owner that answers nothing in this long is as good as gone
+
+
+class ProxyPeer:
+    """A peer connection of the owner's backend, as this group uses it."""
+
+    def __init__(self, backend: ProxyBackend, pid: int, instance: str, address: str) -> None:
+        self._backend, self.pid = backend, pid
+        self.id, self.address = instance, address
+        self.state = PeerState.CONNECTED
+
+    def send(self, data: bytes) -> None:
+        if self.state is not PeerState.CONNECTED:
+            raise PeerLostError(f"peer {self.address} is {self.state.value}")
+        self._backend.call(gw.Op.SEND, peer=self.pid, data=bytes(data).decode())
+
+    def add_remote_region(self, descriptor: bytes | str) -> int:
+        raw = descriptor.decode() if isinstance(descriptor, bytes) else descriptor
+        return self._backend.call(gw.Op.ADD_REMOTE, peer=self.pid, raw=raw)
+
+    def close(self) -> None:
+        self.state = PeerState.CLOSED
+        self._backend.call(gw.Op.CLOSE_PEER, reply=False, peer=self.pid)
+
+    def __repr__(self) -> str:
+        return f"ProxyPeer({self.address}, {self.id[:8]}, {self.state.value})"
+
+
+class ProxyBackend:
+    def __init__(self, path: str, group: int, deadline_s: float) -> None:
+        self.group = group
+        sock = _connect(path, deadline_s)
+        self._chan = gw.Channel(sock)
+        self._chan.send(gw.Join(group))
+        joined = self._chan.read()
+        if not isinstance(joined, gw.Joined):
+            raise TransferError(f"DP group {group}: the owner answered {type(joined).__name__}, not Joined")
+        self.name, self.provider, self.address, self.instance = (joined.name, joined.provider, joined.address,
+                                                                 joined.instance)
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._calls: dict[int, tuple[threading.Event, list]] = {}
+        self._futures: dict[int, TransferFuture] = {}
+        self._peers: dict[int, ProxyPeer] = {}
+        self._inbox: queue.Queue = queue.Queue()
+        self._closed = ""
+        self._reader = NamedThread(target=self._read, name=f"dp-proxy-{group}", daemon=True)
+        self._reader.start()
+
+    # ----- what the messenger calls ------------------------------------------------------
+    def register(self, addr: int, length: int, memory: Any = HOST) -> tuple[int, bytes]:
+        if memory.kind is not MemoryKind.HOST:
+            raise errors.UnsupportedMemory("a DP group hands its KV to the owner as shared host memory; "
+                                           f"{memory} is not (data parallelism is verified on CPU only)")
+        b = shm.locate(addr, length)
+        got = self.call(gw.Op.REGISTER, path=b.path, offset=b.offset, inode=b.inode, dev=b.dev, target=b.target,
+                        length=length)
+        return got["region"], got["descriptor"].encode()
+
+    def connect(self, address: str, timeout_s: float | None = None) -> ProxyPeer:
+        got = self.call(gw.Op.CONNECT, timeout=(timeout_s or 5.0) + CALL_TIMEOUT_S, address=address,
+                        timeout_s=timeout_s)
+        return self._peer(got["peer"], got["instance"], got["address"])
+
+    def recv(self, timeout_s: float) -> tuple[ProxyPeer, bytes]:
+        if self._closed:
+            raise TransferError(self._closed)
+        try:
+            item = self._inbox.get(timeout=timeout_s)
+        except queue.Empty:
+            raise DeadlineExceeded(f"no control message within {timeout_s} s") from None
+        if item is None:
+            raise TransferError(self._closed)
+        return item
+
+    def write_pages(self, peer: ProxyPeer, src: int, src_pages: Any, src_stride: int, dst: int, dst_pages: Any,
+                    dst_stride: int, length: int, imm: int, src_offset: int = 0, dst_offset: int = 0) -> TransferFuture:
+        if peer.state is not PeerState.CONNECTED:
+            raise PeerLostError(f"peer {peer.address} is {peer.state.value}")
+        return self._future(f"write to {peer.address}", gw.Op.WRITE_PAGES, peer=peer.pid, src=src,
+                            src_pages=list(src_pages), src_stride=src_stride, dst=dst, dst_pages=list(dst_pages),
+                            dst_stride=dst_stride, length=length, imm=imm, src_offset=src_offset,
+                            dst_offset=dst_offset)
+
+    def expect(self, tag: int, count: int, timeout_s: float, peer: Any = None) -> TransferFuture:
+        peers = None if peer is None else sorted(peer)
+        return self._future(f"expectation {tag}", gw.Op.EXPECT, tag=tag, count=count, timeout_s=timeout_s,
+                            peers=peers)
+
+    def retire(self, tag: int, reason: str = "cancelled") -> None:
+        self.call(gw.Op.RETIRE, reply=False, tag=tag, reason=reason)
+
+    def forget(self, tag: int) -> None:
+        self.call(gw.Op.FORGET, reply=False, tag=tag)
+
+    def is_retired(self, tag: int) -> bool:
+        return bool(self.call(gw.Op.IS_RETIRED, tag=tag))
+
+    def stats(self) -> dict[str, int]:
+        return self.call(gw.Op.STATS)
+
+    def order_done(self, instance: str, tag: int) -> None:
+        self.call(gw.Op.ORDER_DONE, reply=False, instance=instance, tag=tag)
+
+    def close(self) -> None:
+        self._fail_all("closed")
+        self._chan.close()
+
+    # ----- the channel ----------------------------------------------------------------------
+    def call(self, op: gw.Op, reply: bool = True, timeout: float = CALL_TIMEOUT_S, **args: Any) -> Any:
+        if self._closed:
+            raise PeerLostError(self._closed)
+        if not reply:
+            self._send(gw.Call(0, op.value, args))
+            return None
+        cid, slot = next(self._ids), []
+        done = threading.Event()
+        with self._lock:
+            self._calls[cid] = (done, slot)
+        self._send(gw.Call(cid, op.value, args))
+        if not done.wait(timeout):
+            with self._lock:
+                self._calls.pop(cid, None)
+            raise DeadlineExceeded(f"the server's messenger owner did not answer {op.value} in {timeout:.0f} s")
+        r = slot[0]
+        if isinstance(r, BaseException):
+            raise r
+        if r.error:
+            raise _error(r.error_type, r.error, r.cause)
+        return r.result
+
+    def _future(self, label: str, op: gw.Op, **args: Any) -> TransferFuture:
+        fut, fid = TransferFuture(label), next(self._ids)
+        with self._lock:
+            if self._closed:
+                fut.set_exception(PeerLostError(self._closed))
+                return fut
+            self._futures[fid] = fut
+        self._send(gw.Call(0, op.value, args | {"future": fid}))
+        return fut
+
+    def _send(self, msg: gw.Message) -> None:
+        try:
+            self._chan.send(msg)
+        except OSError as e:
+            raise PeerLostError(f"the server's messenger owner is gone: {e}") from e
+
+    def _peer(self, pid: int, instance: str, address: str) -> ProxyPeer:
+        with self._lock:
+            peer = self._peers.get(pid)
+            if peer is None:
+                peer = self._peers[pid] = ProxyPeer(self, pid, instance, address)
+            return peer
+
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self._chan.read()
+            except (EOFError, OSError, gw.GroupWireError) as e:
+                self._fail_all(f"the server's messenger owner (DP group 0) is gone: {e}")
+                return
+            if isinstance(msg, gw.Reply):
+                with self._lock:
+                    waiting = self._calls.pop(msg.id, None)
+                if waiting is not None:
+                    waiting[1].append(msg)
+                    waiting[0].set()
+            elif isinstance(msg, gw.Done):
+                with self._lock:
+                    fut = self._futures.pop(msg.future, None)
+                if fut is not None:
+                    if msg.error:
+                        fut.set_exception(_error(msg.error_type, msg.error))
+                    else:
+                        fut.set_result(None)
+            elif isinstance(msg, gw.Delivery):
+                self._inbox.put((self._peer(msg.peer, msg.instance, msg.address), msg.data.encode()))
+            elif isinstance(msg, gw.PeerState):
+                peer = self._peers.get(msg.peer)
+                if peer is not None:
+                    peer.state = PeerState(msg.state)
+
+    def _fail_all(self, why: str) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = why
+            calls, self._calls = self._calls, {}
+            futures, self._futures = self._futures, {}
+            peers = list(self._peers.values())
+        for peer in peers:
+            if peer.state is PeerState.CONNECTED:
+                peer.state = PeerState.LOST
+        for done, slot in calls.values():
+            slot.append(PeerLostError(why))
+            done.set()
+        for fut in futures.values():
+            fut.set_exception(PeerLostError(why))
+        self._inbox.put(None)
+        if why != "closed":
+            logger.error("messenger: DP group %d: %s", self.group, why)
+
+    @property
+    def gone(self) -> str:
+        """Why this group lost the server's backend ("" while the owner lives)."""
+        return "" if self._closed == "closed" else self._closed
+
+
+def _error(type_name: str, message: str, cause: str = "") -> TransferError:
+    cls = getattr(errors, type_name, TransferError)
+    if not (isinstance(cls, type) and issubclass(cls, TransferError)):
+        cls = TransferError
+    err = cls(message)
+    if cause == "ConnectionRefusedError":  # Links: a lost server whose port refuses is GONE
+        err.__cause__ = ConnectionRefusedError(message)
+    return err
+
+
+def _connect(path: str, deadline_s: float) -> socket.socket:
+    """The owner starts in another process at the same time: retry until it listens."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.connect(path)
+            return s
+        except OSError as e:
+            s.close()
+            if time.monotonic() > deadline:
+                raise TransferError(f"no messenger owner (DP group 0) listening after {deadline_s:.0f} s: {e}") from e
+            time.sleep(0.05)

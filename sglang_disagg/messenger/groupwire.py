@@ -1,0 +1,179 @@
+"""Versioned messages between a DP group's messenger and the server's owner (dpowner.py /
+dpproxy.py), over a Unix stream socket: a 4-byte big-endian length, then one JSON object
+with named fields plus ``"type"`` and ``"v"``, as wire.py does between servers.
+
+One server runs one transfer backend, in the owner (the leader of DP group 0). Every other
+group's leader reaches it through these messages:
+
+    group -> owner  Join        first message: which group this is
+    owner -> group  Joined      the backend's identity (name, provider, address, instance)
+    group -> owner  Call        one backend operation (Op) with named arguments; `id` 0: no
+                                reply wanted (retire, forget, writes and expectations, whose
+                                completion comes as Done)
+    owner -> group  Reply       the result of a Call, or its error (type name, message, cause)
+    owner -> group  Done        a write batch or an expectation of the group completed
+    owner -> group  Delivery    a peer's control message the owner gave to this group
+    owner -> group  PeerState   a peer this group uses changed state (lost, closed)
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import socket
+import struct
+import threading
+from dataclasses import MISSING, asdict, dataclass, fields
+from typing import Any, ClassVar
+
+GROUP_WIRE_VERSION = 1
+MAX_FRAME = 64 << 20  # a Delivery carries a control message: the longest order (1 Mi tokens) fits
+
+
+class GroupWireError(ValueError):
+    pass
+
+
+class Op(enum.Enum):
+    REGISTER = "register"        # a shared-memory range of the group: map it, register it
+    CONNECT = "connect"          # a connection of the group's own (decode: one per prefill server)
+    SEND = "send"                # a control message on one of the group's peers
+    ADD_REMOTE = "add_remote"    # a peer's region descriptor
+    WRITE_PAGES = "write_pages"  # a paged write from one of the group's regions
+    EXPECT = "expect"            # count writes carrying a tag into the group's pages
+    RETIRE = "retire"
+    FORGET = "forget"
+    IS_RETIRED = "is_retired"
+    STATS = "stats"
+    CLOSE_PEER = "close_peer"
+    ORDER_DONE = "order_done"    # prefill: the group finished an order (its load for the dispatch)
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    TYPE: ClassVar[str] = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Join(Message):
+    TYPE: ClassVar[str] = "join"
+    group: int
+
+
+@dataclass(frozen=True, slots=True)
+class Joined(Message):
+    TYPE: ClassVar[str] = "joined"
+    name: str
+    provider: str
+    address: str
+    instance: str
+
+
+@dataclass(frozen=True, slots=True)
+class Call(Message):
+    TYPE: ClassVar[str] = "call"
+    id: int
+    op: str
+    args: dict
+
+
+@dataclass(frozen=True, slots=True)
+class Reply(Message):
+    TYPE: ClassVar[str] = "reply"
+    id: int
+    result: Any
+    error: str = ""
+    error_type: str = ""  # the backends.errors class name ("" with no error)
+    cause: str = ""       # the class name of the error's cause (ConnectionRefusedError: the port is closed)
+
+
+@dataclass(frozen=True, slots=True)
+class Done(Message):
+    TYPE: ClassVar[str] = "done"
+    future: int
+    error: str = ""
+    error_type: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery(Message):
+    TYPE: ClassVar[str] = "delivery"
+    peer: int
+    instance: str
+    address: str
+    data: str
+
+
+@dataclass(frozen=True, slots=True)
+class PeerState(Message):
+    TYPE: ClassVar[str] = "peer_state"
+    peer: int
+    state: str
+
+
+MESSAGES = {c.TYPE: c for c in (Join, Joined, Call, Reply, Done, Delivery, PeerState)}
+
+
+def encode(msg: Message) -> bytes:
+    body = json.dumps({"type": msg.TYPE, "v": GROUP_WIRE_VERSION} | asdict(msg), separators=(",", ":")).encode()
+    return struct.pack(">I", len(body)) + body
+
+
+def decode(raw: bytes) -> Message:
+    try:
+        obj = json.loads(raw)
+    except ValueError as e:
+        raise GroupWireError(f"not JSON: {e}") from None
+    if not isinstance(obj, dict) or obj.get("v") != GROUP_WIRE_VERSION:
+        raise GroupWireError(f"group wire version {obj.get('v') if isinstance(obj, dict) else '?'!r}, "
+                             f"this build speaks {GROUP_WIRE_VERSION}")
+    cls = MESSAGES.get(obj.pop("type", None))
+    obj.pop("v")
+    if cls is None:
+        raise GroupWireError("unknown message type")
+    names = {f.name for f in fields(cls)}
+    required = {f.name for f in fields(cls) if f.default is MISSING}
+    if not set(obj) <= names or not required <= set(obj):
+        raise GroupWireError(f"{cls.TYPE}: fields {sorted(obj)}, expected {sorted(names)}")
+    return cls(**obj)
+
+
+class Channel:
+    """One end of a group's socket: framed sends from any thread, reads from one."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._send_lock = threading.Lock()
+
+    def send(self, msg: Message) -> None:
+        data = encode(msg)
+        with self._send_lock:
+            self.sock.sendall(data)
+
+    def read(self) -> Message:
+        """The next message; EOFError when the other end closed or died."""
+        (n,) = struct.unpack(">I", self._exactly(4))
+        if n > MAX_FRAME:
+            raise GroupWireError(f"frame of {n} bytes")
+        return decode(self._exactly(n))
+
+    def _exactly(self, n: int) -> bytes:
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = self.sock.recv(n - len(buf))
+            if not chunk:
+                raise EOFError("the other end closed the group channel")
+            buf += chunk
+        return bytes(buf)
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+def socket_name(key: str) -> str:
+    """The abstract socket of a server's owner (nothing on disk: gone with the process)."""
+    return f"\0sglang-disagg-dp/{key}"

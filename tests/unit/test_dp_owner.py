@@ -1,0 +1,204 @@
+"""A DP group's messenger reaches the server's one transfer backend through the owner
+(dpowner.Owner, in group 0's leader) over its Unix socket (dpproxy.ProxyBackend).
+
+Real backends on both ends (shmem and libfabric tcp): a "decoder" whose group 1 registers
+its shared-memory pool through the owner, connects to a "prefill" backend, exchanges control
+messages both ways, and counts the prefill's real writes into its pages by tag; a peer's loss
+reaches the group within the links' deadline; the owner gone fails what the group waits on
+at once. The prefill-side dispatch (Hello to every group, an order to the least loaded, a
+cancel after its order) is checked on the dispatch logic with recording groups.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+
+import pytest
+import torch
+
+from sglang_disagg import shm
+from sglang_disagg.backends import BackendConfig, PeerLostError, PeerState, TransferError, create_backend
+from sglang_disagg.messenger import groupwire as gw, wire
+from sglang_disagg.messenger.config import MessengerRole
+from sglang_disagg.messenger.dpowner import Owner
+from sglang_disagg.messenger.dpproxy import ProxyBackend
+
+SECRET = secrets.token_bytes(32)
+BACKENDS = [("shmem", None), ("libfabric", "tcp")]
+
+
+def _backend(name, provider):
+    return create_backend(name, BackendConfig(provider=provider, host="127.0.0.1", port=0, secret=SECRET))
+
+
+def _path() -> str:
+    return gw.socket_name(f"test-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def _recv(backend, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return backend.recv(0.2)
+        except TransferError:
+            if time.monotonic() > deadline:
+                raise
+
+
+@pytest.mark.parametrize("name,provider", BACKENDS, ids=[b[0] for b in BACKENDS])
+def test_a_group_moves_kv_and_messages_through_the_owner(name, provider):
+    owner_backend, prefill = _backend(name, provider), _backend(name, provider)
+    path = _path()
+    got = []
+    owner = Owner(owner_backend, path, MessengerRole.DECODE, groups=2, local=lambda p, m: got.append(m))
+    group = ProxyBackend(path, 1, deadline_s=5.0)
+    try:
+        assert (group.name, group.address, group.instance) == (owner_backend.name, owner_backend.address,
+                                                               owner_backend.instance)
+        pool = shm.shared_zeros((8, 64), torch.float32)  # the group's KV: 8 pages of 256 bytes
+        region, desc = group.register(pool.data_ptr(), pool.numel() * 4)
+        peer = group.connect(prefill.address, 5.0)
+        assert peer.id == prefill.instance
+        hello = wire.Hello(decoder="d", backend=name, provider=prefill.provider or "", ranks=(), group=1,
+                           kv=wire.KVSpec(model="m", fingerprint="f", num_layers=1, kv_heads=1, head_dim=64,
+                                          v_head_dim=64, page_size=1, dtype="torch.float32", layout="hnd", tp=1))
+        peer.send(wire.encode(hello))
+        from_decoder, raw = _recv(prefill)
+        assert wire.decode(raw) == hello
+        # The prefill's answer reaches the owner's control thread, which gives it to the group
+        # whose connection it came on (here by dispatch, as Node's reader does).
+        from_decoder.send(wire.encode(wire.Released(rid="r", tag=5)))
+        p, raw = _recv(owner_backend)
+        owner.dispatch(p, raw, wire.decode(raw))
+        back_peer, back = group.recv(5.0)
+        assert back_peer is peer and wire.decode(back) == wire.Released(rid="r", tag=5) and not got
+        # The prefill's real writes land in the group's pages and are counted by tag.
+        src = shm.shared_zeros((8, 64), torch.float32)  # the prefill's pool (shmem moves shared memory only)
+        src.copy_(torch.arange(8 * 64, dtype=torch.float32).reshape(8, 64))
+        src_region, _ = prefill.register(src.data_ptr(), src.numel() * 4)
+        remote = from_decoder.add_remote_region(desc)
+        expected = group.expect(7, 2, 5.0, {prefill.instance})
+        prefill.write_pages(from_decoder, src_region, [1, 3], 256, remote, [0, 5], 256, 256, 7).wait(5.0)
+        expected.wait(5.0)
+        assert torch.equal(pool[0], src[1]) and torch.equal(pool[5], src[3])
+        # The group's own write (the prefill direction) from its registered region.
+        back_region, _ = prefill.register(src.data_ptr(), src.numel() * 4)
+        dst = peer.add_remote_region(prefill.descriptor(back_region))
+        pool[2].fill_(3.0)
+        mine = prefill.expect(9, 1, 5.0)
+        group.write_pages(peer, region, [2], 256, dst, [6], 256, 256, 9).wait(5.0)
+        mine.wait(5.0)
+        assert torch.equal(src[6], pool[2])
+        assert group.is_retired(11) is False
+        group.retire(11, "test")
+        assert group.is_retired(11) is True
+        # The prefill going away: the group's peer is LOST well within 2 s, its expectation fails.
+        waiting = group.expect(13, 1, 30.0, {prefill.instance})
+        group.is_retired(13)  # calls are served in order: the expectation is set at the owner now
+        t0 = time.monotonic()
+        prefill.close()
+        with pytest.raises(PeerLostError):
+            waiting.wait(5.0)
+        while peer.state is PeerState.CONNECTED and time.monotonic() - t0 < 2.0:
+            time.sleep(0.01)
+        assert peer.state is PeerState.LOST, f"still {peer.state} after {time.monotonic() - t0:.2f} s"
+    finally:
+        group.close()
+        owner.close()
+        owner_backend.close()
+        prefill.close()
+
+
+def test_the_owner_gone_fails_the_group_at_once():
+    owner_backend, prefill = _backend("shmem", None), _backend("shmem", None)
+    path = _path()
+    owner = Owner(owner_backend, path, MessengerRole.DECODE, groups=2)
+    group = ProxyBackend(path, 1, deadline_s=5.0)
+    try:
+        peer = group.connect(prefill.address, 5.0)
+        waiting = group.expect(3, 1, 60.0)
+        t0 = time.monotonic()
+        owner.close()
+        with pytest.raises(PeerLostError, match="owner"):
+            waiting.wait(2.0)
+        assert time.monotonic() - t0 < 1.0
+        assert peer.state is PeerState.LOST
+        assert "owner" in group.gone
+        with pytest.raises(TransferError):
+            group.recv(0.1)
+        with pytest.raises(PeerLostError):
+            group.expect(4, 1, 1.0).wait(1.0)
+    finally:
+        group.close()
+        owner_backend.close()
+        prefill.close()
+
+
+def test_a_group_with_no_owner_says_so():
+    with pytest.raises(TransferError, match="no messenger owner"):
+        ProxyBackend(_path(), 1, deadline_s=0.2)
+
+
+class _Peer:
+    def __init__(self, instance):
+        self.id, self.address, self.state = instance, f"{instance}:1", PeerState.CONNECTED
+
+
+class _Recording:
+    """A group's end of the socket that records what the owner delivers."""
+
+    def __init__(self):
+        self.got = []
+
+    def send(self, msg):
+        self.got.append(wire.decode(msg.data))
+
+
+def test_prefill_dispatch_spreads_orders_and_follows_cancels():
+    backend = _backend("shmem", None)
+    local = []
+    owner = Owner(backend, _path(), MessengerRole.PREFILL, groups=3, local=lambda p, m: local.append(m))
+    groups = {1: _Recording(), 2: _Recording()}
+    owner._conns.update(groups)
+    try:
+        decoder = _Peer("dec")
+
+        def give(msg):
+            owner.dispatch(decoder, wire.encode(msg), msg)
+
+        kv = wire.KVSpec(model="m", fingerprint="f", num_layers=1, kv_heads=1, head_dim=64, v_head_dim=64,
+                         page_size=1, dtype="f", layout="hnd", tp=1)
+        give(wire.Hello(decoder="d", backend="shmem", provider="", kv=kv, ranks=()))
+        assert len(local) == 1 and all(len(g.got) == 1 for g in groups.values())  # every group hears it
+        orders = [wire.PrefillOrder(rid=f"r{t}", tag=t, token_ids=(1,), dst_pages=(0,), start_page=0)
+                  for t in range(1, 7)]
+        for o in orders:
+            give(o)
+        where = {o.tag: 0 for o in local[1:]} | {o.tag: g for g, r in groups.items() for o in r.got[1:]}
+        assert sorted(where) == [1, 2, 3, 4, 5, 6]
+        assert owner.outstanding == [2, 2, 2]  # least outstanding first: evenly spread
+        assert where[1] == where[4]  # the same group took the 1st and 4th
+        owner.order_done("dec", 1)
+        owner.order_done("dec", 4)  # ... and finished both: the next order is its
+        give(wire.PrefillOrder(rid="r7", tag=7, token_ids=(1,), dst_pages=(0,), start_page=0))
+        assert owner.outstanding[where[1]] == 1 and owner._orders[("dec", 7)] == where[1]
+        give(wire.Cancel(rid="r5", tag=5))  # to the group that took order 5
+        holder = groups[where[5]].got if where[5] else local
+        assert holder[-1] == wire.Cancel(rid="r5", tag=5)
+        give(wire.Cancel(rid="r1", tag=1))  # a finished order: group 0 answers "released"
+        assert local[-1] == wire.Cancel(rid="r1", tag=1)
+    finally:
+        owner._conns.clear()
+        owner.close()
+        backend.close()
+
+
+def test_group_wire_checks_version_and_fields():
+    raw = gw.encode(gw.Call(3, gw.Op.STATS.value, {}))[4:]
+    assert gw.decode(raw) == gw.Call(3, "stats", {})
+    with pytest.raises(gw.GroupWireError, match="version"):
+        gw.decode(raw.replace(b'"v":1', b'"v":9'))
+    with pytest.raises(gw.GroupWireError, match="fields"):
+        gw.decode(raw.replace(b'"args"', b'"argz"'))
