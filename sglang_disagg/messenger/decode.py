@@ -213,6 +213,7 @@ class DecodeMessenger:
     # ----- every iteration ------------------------------------------------------------
     def step(self) -> None:
         self.node.wakeup.clear()
+        self.node.stop_if_owner_gone(self._fail_all)
         if not self.entries and not self._inbox:
             # Nothing of ours in flight and nothing arrived: the requests decoding hold their
             # KV and are SGLang's alone, so a decode step pays only this test. (Entries are
@@ -256,6 +257,14 @@ class DecodeMessenger:
         if self.ranks.is_leader:
             self.node.stats_file.publish(self.snapshot)
 
+    def _fail_all(self, reason: str) -> None:
+        """Every request this group holds fails (its KV can no longer arrive)."""
+        for e in list(self.entries.values()):
+            if e.phase is Phase.TRANSFER:
+                self._fail(e, reason, Cause.OWNER)
+            elif e.phase in (Phase.MEMORY, Phase.ROUTE):
+                self._finish_failed(e, reason, Cause.OWNER)
+
     def _gauges(self) -> dict[str, dict[str, float]]:  # metrics HTTP thread, at each scrape
         phases = collections.Counter(e.phase.name.lower() for e in list(self.entries.values()))
         return scheduler_state(self.sched, self.node.page_size) | {
@@ -270,7 +279,7 @@ class DecodeMessenger:
         links = {a: {"state": link.state.value, "reason": link.reason, "outstanding": link.outstanding}
                  for a, link in self.links.links.items()} if self.links else {}
         return self.node.describe(self.sched) | self.stats | {
-            "in_flight": phases, "links": links,
+            "in_flight": phases, "links": links, "scheduler": scheduler_state(self.sched, self.node.page_size),
             "late_writes_dropped": self.backend.stats()["late_writes_dropped"] if self.backend else 0,
             "recent": list(self.recent)}
 

@@ -16,6 +16,7 @@ and the server reports unhealthy (Node.health).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import queue
@@ -79,6 +80,7 @@ class ProxyBackend:
         self._peers: dict[int, ProxyPeer] = {}
         self._inbox: queue.Queue = queue.Queue()
         self._closed = ""
+        self._stats: dict[str, int] = {"late_writes_dropped": 0}
         self._reader = NamedThread(target=self._read, name=f"dp-proxy-{group}", daemon=True)
         self._reader.start()
 
@@ -132,7 +134,10 @@ class ProxyBackend:
         return bool(self.call(gw.Op.IS_RETIRED, tag=tag))
 
     def stats(self) -> dict[str, int]:
-        return self.call(gw.Op.STATS)
+        """The owner's backend counters (the last ones read, once the owner is gone)."""
+        with contextlib.suppress(PeerLostError):
+            self._stats = self.call(gw.Op.STATS)
+        return self._stats
 
     def order_done(self, instance: str, tag: int) -> None:
         self.call(gw.Op.ORDER_DONE, reply=False, instance=instance, tag=tag)
@@ -143,10 +148,13 @@ class ProxyBackend:
 
     # ----- the channel ----------------------------------------------------------------------
     def call(self, op: gw.Op, reply: bool = True, timeout: float = CALL_TIMEOUT_S, **args: Any) -> Any:
+        if self._closed and not reply:
+            return None  # retire, forget, close: nothing left to do at an owner that is gone
         if self._closed:
             raise PeerLostError(self._closed)
         if not reply:
-            self._send(gw.Call(0, op.value, args))
+            with contextlib.suppress(PeerLostError):  # the reader notices the owner gone
+                self._send(gw.Call(0, op.value, args))
             return None
         cid, slot = next(self._ids), []
         done = threading.Event()

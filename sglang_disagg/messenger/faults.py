@@ -127,3 +127,25 @@ class CorruptSource:
         if mine and (not self.corrupted or self.corrupted[-1] != rid):
             self.corrupted.append(rid)
             del self.corrupted[:-256]
+
+
+@dataclass(frozen=True, slots=True)
+class HoldOrders:
+    """Prefill side, ``SGLANG_DISAGG_FAULT=hold_orders:PREFIX:SECONDS``: an order whose rid
+    (the client's) starts with PREFIX is held SECONDS before the server takes it (intake.py),
+    so that its decoder waits that long for the KV: the check that a request waiting for its
+    KV holds up nobody else (no DP group stalls another)."""
+
+    prefix: str
+    seconds: float
+
+    @classmethod
+    def from_env(cls) -> HoldOrders | None:
+        spec = os.environ.get(ENV, "")
+        if not spec.startswith("hold_orders"):
+            return None
+        parts = spec.split(":")
+        try:
+            return cls(parts[1], float(parts[2]))
+        except (IndexError, ValueError):
+            raise ValueError(f"fault {spec!r}: expected hold_orders:<rid prefix>:<seconds>") from None

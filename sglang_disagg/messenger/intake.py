@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import collections
 import logging
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..backends import PeerState
 from . import compat, wire
+from .faults import HoldOrders
 from .inputs import CancelTicket, DecoderJoined, MessengerInput, OrderTicket
 from .node import Node
 from .planner import ShardPlan, pages_for
@@ -35,6 +37,7 @@ class Intake:
         self._inbox: collections.deque[MessengerInput] = collections.deque()
         self._capacity: dict[str, int] = {}          # decoder key -> pages its regions hold
         self._lost: dict[str, Any] = {}              # decoder key -> the lost peer already handled
+        self._hold = HoldOrders.from_env()           # test fault: some orders wait before they are taken
 
     def on_message(self, peer: Any, msg: wire.Message) -> None:  # control thread
         if isinstance(msg, wire.Hello):
@@ -65,12 +68,21 @@ class Intake:
                 peer.send(wire.encode(wire.OrderFailed(rid=msg.rid, tag=msg.tag, reason=problem,
                                                                 blame=wire.Blame.ORDER)))
                 return
+            if self._hold is not None and msg.rid.startswith(self._hold.prefix):
+                timer = threading.Timer(self._hold.seconds, self._take_held, args=(OrderTicket(key, msg),))
+                timer.daemon = True
+                timer.start()
+                return
             self._inbox.append(OrderTicket(key, msg))
         elif isinstance(msg, wire.Cancel):
             self._inbox.append(CancelTicket(self._keys.get(peer, ""), msg.tag))
         else:
             logger.warning("messenger: unexpected %s from %s", type(msg).__name__, peer.address)
             return
+        self.node.wakeup.set()
+
+    def _take_held(self, ticket: OrderTicket) -> None:  # timer thread (test fault)
+        self._inbox.append(ticket)
         self.node.wakeup.set()
 
     def check_order(self, key: str, o: wire.PrefillOrder) -> str:

@@ -46,6 +46,7 @@ class Cause(enum.Enum):
     PREFILL = "prefill_failed"           # the prefill server failed the order
     ABORTED = "aborted"                  # the client went away
     INTAKE = "intake"                    # the order was refused as given (at the prefill server's intake)
+    OWNER = "owner_gone"                 # DP: the server's messenger owner (group 0's leader) died
 
 
 class MessengerMetrics:

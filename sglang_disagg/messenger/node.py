@@ -108,6 +108,7 @@ class Node:
                                         cfg.metrics_port if self.ranks.is_leader and self.group == 0 else 0)
         self._stop = threading.Event()
         self._reader: threading.Thread | None = None
+        self._owner_lost_at = 0.0
         if self.backend is not None:
             logger.info("messenger %s: %s/%s on %s drives the KV of %d rank(s), %d regions each (%s, page %d)%s",
                         cfg.role.value, self.backend.name, self.backend.provider or "-", self.backend.address,
@@ -196,7 +197,7 @@ class Node:
 
     def describe(self, scheduler: Any) -> dict:
         grammar = getattr(scheduler.grammar_manager, "grammar_backend", None)
-        return {"role": self.cfg.role.value, "name": self.name, "backend": self.backend.name,
+        return {"role": self.cfg.role.value, "name": self.name, "pid": os.getpid(), "backend": self.backend.name,
                 "provider": self.backend.provider, "address": self.backend.address, "tp": self.ranks.size,
                 # One backend instance in the whole server drives every rank's KV.
                 "backends": self.backends_in_server, "ranks_driven": len(self.regions),
@@ -204,6 +205,26 @@ class Node:
                 "dp_group": self.group, "dp_groups": self.groups,
                 # Structured output lives on decoders only: a prefill server compiles none.
                 "grammars_compiled": len(getattr(grammar, "cache", ()) or ())}
+
+    def owner_gone(self) -> str:
+        """DP group > 0: why the server's backend is out of reach ("" while the owner lives)."""
+        return self.backend.gone if isinstance(self.backend, ProxyBackend) else ""
+
+    def stop_if_owner_gone(self, fail_all: Callable[[str], None]) -> None:
+        """DP group > 0, each step: the owner (group 0's leader) died. Fail what this group
+        holds, with the reason, then stop the scheduler (SGLang takes the whole server down
+        then): a server that lost its one backend must not serve half-alive. The grace lets
+        the failures reach their clients first."""
+        why = self.owner_gone()
+        if not why:
+            return
+        if self._owner_lost_at == 0.0:
+            self._owner_lost_at = time.monotonic()
+            fail_all(f"this server's messenger is gone ({why})")
+        elif time.monotonic() - self._owner_lost_at > OWNER_GRACE_S:
+            raise RuntimeError(f"messenger: DP group {self.group}: {why}; stopping this server, which lost its "
+                               "transfer backend (it would serve half-alive)")
+        self.wakeup.set()  # come back for the deadline
 
     def order_done(self, instance: str, tag: int) -> None:
         """Prefill, DP: this group finished an order of decoder `instance` (the owner gives
@@ -228,6 +249,7 @@ class Node:
 
 
 OWNER_WAIT_S = 120.0  # the owner (group 0's leader) loads its model at the same time
+OWNER_GRACE_S = 1.0   # a group that lost the owner fails its requests, then stops its server this much later
 
 
 def group_stats_file(path: str, group: int) -> str:

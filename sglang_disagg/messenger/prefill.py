@@ -325,6 +325,7 @@ class PrefillMessenger:
 
     def step(self) -> None:
         self.node.wakeup.clear()
+        self.node.stop_if_owner_gone(self._fail_all)
         live = [r for r in self.records.values() if r.held]
         flags = []
         for r in live:
@@ -337,6 +338,11 @@ class PrefillMessenger:
         if self.ranks.is_leader:
             self.node.stats_file.publish(self.snapshot)
 
+    def _fail_all(self, reason: str) -> None:
+        """No write of this group can be posted any more: every order fails."""
+        for rec in self.records.values():
+            rec.failed = rec.failed or reason
+
     def _gauges(self) -> dict[str, dict[str, float]]:  # metrics HTTP thread, at each scrape
         records = list(self.records.values())
         per_decoder = collections.Counter(r.key for r in records)
@@ -347,7 +353,8 @@ class PrefillMessenger:
 
     def snapshot(self) -> dict:
         return self.node.describe(self.sched) | self.stats | {
-            "decoders": len(self.decoders), "in_flight": len(self.records), "streaming": self.streamer is not None,
+            "decoders": len(self.decoders), "in_flight": len(self.records),
+            "scheduler": scheduler_state(self.sched, self.node.page_size), "streaming": self.streamer is not None,
             "recent": list(self.recent), "requests_by_source": dict(self.by_source)} | (
             {"fault_corrupted": list(self._corrupt.corrupted)} if self._corrupt is not None else {})
 

@@ -17,6 +17,7 @@ float32):
 
 from __future__ import annotations
 
+import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -39,9 +40,20 @@ SHAPES = {  # (prefill attention-DP, decode attention-DP) over TP 2 where > 1
 }
 
 
+HOLD_S = 4.0
+# The prefill server holds an order whose rid starts with "held-" (a test fault, faults.HoldOrders):
+# its decoder waits that long for the KV. Other requests are untouched, so the stacks that
+# check tokens carry it too (one server start less per check).
+HOLD = (("SGLANG_DISAGG_FAULT", f"hold_orders:held-:{HOLD_S}"),)
+
+
 def _spec(prefill_attn_dp: int, decode_attn_dp: int) -> StackSpec:
     return StackSpec(model=DEEPSEEK, prefill_tp=prefill_attn_dp, decode_tp=decode_attn_dp,
-                     prefill_attn_dp=prefill_attn_dp, decode_attn_dp=decode_attn_dp)
+                     prefill_attn_dp=prefill_attn_dp, decode_attn_dp=decode_attn_dp,
+                     env=HOLD if decode_attn_dp > 1 else ())
+
+
+REPLICAS = StackSpec(model="tiny-llama", decode_dp=2, env=HOLD)
 
 
 def _groups_stats(stack, role: str, groups: int) -> list[dict]:
@@ -52,8 +64,146 @@ def _through_messenger(stack, groups: int) -> int:
     return sum(s.get("requests_carried", 0) + s.get("requests_local", 0) for s in _groups_stats(stack, "decode", groups))
 
 
-@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
-def test_attention_dp_gives_the_reference_tokens(stacks, shape):
+# One function per shape, in the order the checks after each reuse its stack (one live stack).
+def test_prefill_attention_dp_gives_the_reference_tokens(stacks):
+    _reference_tokens(stacks, "dp2-to-tp1")
+
+
+def test_decode_attention_dp_gives_the_reference_tokens(stacks):
+    _reference_tokens(stacks, "tp1-to-dp2")
+
+
+def _stream(url: str, prompt: list[int], n: int, rid: str) -> tuple[list[int], list[float], int]:
+    """A streaming greedy /generate: its tokens, each token's arrival (monotonic) and its DP group."""
+    import json
+    import urllib.request
+
+    body = {"input_ids": prompt, "rid": rid, "stream": True, "sampling_params": greedy(n)}
+    req = urllib.request.Request(f"{url}/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    ids, times, seen, group = [], [], 0, -1
+    with urllib.request.urlopen(req, timeout=120) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            got = chunk["meta_info"]["completion_tokens"]
+            ids = list(chunk["output_ids"]) if len(chunk["output_ids"]) == got else ids + list(chunk["output_ids"])
+            times += [time.monotonic()] * (got - seen)
+            seen, group = got, chunk["meta_info"].get("dp_rank", -1)
+    return ids, times, group
+
+
+def _itls(times: list[float], start: float = 0.0, end: float = float("inf")) -> list[float]:
+    return [b - a for a, b in zip(times, times[1:]) if start <= a and b <= end]
+
+
+def test_a_group_waiting_for_kv_stalls_no_other_group(stacks):
+    """Attention-DP 2 decoder: one group's request waits HOLD_S for its KV (the prefill server
+    holds its order: a test fault); meanwhile the other group's request keeps decoding, its
+    inter-token latency within 2x of its own without the fault; then the held one finishes
+    with the reference tokens."""
+    stack = stacks.get(_spec(1, 2))
+    prompts = prompts_for(DEEPSEEK)
+    free, held = prompts[2], prompts[3]
+    want = reference(get_spec(DEEPSEEK), ensure_model(DEEPSEEK), [free, held])
+    n = 40  # about 4 s of decode steps at 2 groups on 2 cores
+    alone_ids, alone_times, _ = _stream(stack.url, free, n, "alone-0")
+    assert alone_ids[:len(want[0])] == want[0]
+    baseline = statistics.median(_itls(alone_times))
+    with ThreadPoolExecutor(2) as pool:
+        running = pool.submit(_stream, stack.url, free, n, "free-1")
+        time.sleep(0.5)  # it decodes; the next request goes to the other group (round robin)
+        t_held = time.monotonic()
+        waiting = pool.submit(_stream, stack.url, held, DP_TOKENS, "held-1")
+        ids, times, group = running.result(timeout=120)
+        held_ids, held_times, held_group = waiting.result(timeout=120)
+    assert group != held_group, f"both requests in DP group {group}: the check needs one per group"
+    assert held_times[0] - t_held >= HOLD_S * 0.9, "the fault did not hold the order"
+    during = _itls(times, t_held + 0.2, t_held + HOLD_S - 0.2)
+    assert len(during) >= 5, f"only {len(during)} tokens while the other group waited"
+    assert statistics.median(during) <= 2 * baseline, \
+        f"ITL {statistics.median(during) * 1000:.0f} ms while the other group waited, {baseline * 1000:.0f} ms alone"
+    assert ids == alone_ids and held_ids == want[1][:DP_TOKENS]
+
+
+
+def test_attention_dp_on_both_sides_gives_the_reference_tokens(stacks):
+    _reference_tokens(stacks, "dp2-to-dp2")
+
+
+def _released(stack, deadline_s: float) -> list[str]:
+    """Wait until no group of either server holds a request or a page beyond its radix cache;
+    what is still held at the deadline (each group publishes its stats at least every ~1 s)."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        held = []
+        for role in ("prefill", "decode"):
+            for g, st in enumerate(_groups_stats(stack, role, 2)):
+                flight = st.get("in_flight", {})
+                busy = sum(flight.values()) if isinstance(flight, dict) else flight
+                sched = st.get("scheduler", {})
+                pages = sched.get("sglang_disagg_kv_pages", {})
+                leak = pages.get("allocated", 0) - pages.get("cached", 0) + pages.get("locked", 0)
+                running = sched.get("sglang_disagg_queue_depth", {}).get("running", 0)
+                if busy or leak or running:
+                    held.append(f"{role} group {g}: {busy} in flight, {running} running, {leak} pages")
+        if not held or time.monotonic() > deadline:
+            return held
+        time.sleep(0.1)
+
+
+def test_faults_free_every_group_and_first_contact_refuses_another_model(stacks):
+    """Attention DP on both sides: a control connection dropped mid-transfer (every decode
+    group's, while both groups' requests are being written), then clients leaving mid-prefill:
+    every group of both servers frees its requests and pages, and the next requests are
+    exact. A decoder of another model saying Hello as a DP group (group 1) is refused, once,
+    naming the models."""
+    import subprocess
+
+    from sglang_disagg.backends import BackendConfig, auth, create_backend
+    from sglang_disagg.messenger import compat, wire
+    from sglang_disagg.messenger.links import REFUSED_MARK
+
+    from .faultlib import FAULT_DEADLINE_S, Call, first_contact, long_prompt, wait_for
+
+    stack = stacks.get(_spec(2, 2))
+    prompts = prompts_for(DEEPSEEK)
+    want = [r[:DP_TOKENS] for r in reference(get_spec(DEEPSEEK), ensure_model(DEEPSEEK), prompts[2:4])]
+    posted = lambda: sum(st.get("writes_posted", 0) for st in _groups_stats(stack, "prefill", 2))  # noqa: E731
+    before = posted()
+    calls = [Call(stack.url, long_prompt(600, 40 + i), 4) for i in range(2)]
+    wait_for("prefill writing", lambda: posted() > before, 60, 0.005)
+    subprocess.run(["ss", "-K", "dst", "127.0.0.1", "dport", "=", f":{stack.cfg.ports.bootstrap}"],
+                   capture_output=True, check=True)
+    for c in calls:
+        c.result(60)
+    assert _released(stack, FAULT_DEADLINE_S + 3) == []
+    wait_for("every decode group's link back", lambda: all(
+        {v["state"] for v in st.get("links", {}).values()} == {"ready"}
+        for st in _groups_stats(stack, "decode", 2)), 15, 0.1)
+
+    leaving = [Call(stack.url, long_prompt(2000, 50 + i), 4, timeout=0.6) for i in range(2)]
+    for c in leaving:
+        c.result(30)
+    assert all(c.err is not None for c in leaving), "a client meant to leave got its answer"
+    assert _released(stack, FAULT_DEADLINE_S + 3) == []
+    with ThreadPoolExecutor(2) as pool:
+        again = list(pool.map(lambda p: generate_ids(stack.url, p, DP_TOKENS), prompts[2:4]))
+    assert again == want
+
+    secret = auth.load_secret({auth.SECRET_FILE_ENV: stack.cfg.secret_file})
+    backend = create_backend("shmem", BackendConfig(host="127.0.0.1", port=0, secret=secret))
+    llama = ensure_model("tiny-llama")
+    kv = wire.KVSpec(model="tiny-llama", fingerprint=compat.fingerprint(str(llama)), num_layers=4, kv_heads=2,
+                     head_dim=64, v_head_dim=64, page_size=16, dtype="float32", layout="hnd", tp=1)
+    hello = wire.Hello(decoder="test", backend="shmem", provider="", kv=kv, ranks=(), group=1)
+    link, took = first_contact(backend, hello, f"127.0.0.1:{stack.cfg.ports.bootstrap}")
+    assert REFUSED_MARK in link.reason and "model differs" in link.reason, link.reason
+    assert "tiny-llama" in link.reason and DEEPSEEK in link.reason, link.reason
+
+
+def _reference_tokens(stacks, shape: str) -> None:
     p_dp, d_dp = SHAPES[shape]
     stack = stacks.get(_spec(p_dp, d_dp))
     prompts = prompts_for(DEEPSEEK)
@@ -83,7 +233,7 @@ def test_attention_dp_gives_the_reference_tokens(stacks, shape):
 def test_replica_dp_decoder_gives_the_colocated_tokens(stacks):
     prompts = prompts_for("tiny-llama")
     colocated = run_sequential(stacks.get(StackSpec(role=Role.COLOCATED)).url, prompts)
-    stack = stacks.get(StackSpec(model="tiny-llama", decode_dp=2))
+    stack = stacks.get(REPLICAS)
     assert_same(run_sequential(stack.url, prompts), colocated, prompts)
     assert_same(run_concurrent(stack.url, prompts), colocated, prompts)
     stats = _groups_stats(stack, "decode", 2)
@@ -92,3 +242,55 @@ def test_replica_dp_decoder_gives_the_colocated_tokens(stacks):
     replicas = {post_json(f"{stack.url}/generate", {"input_ids": p, "sampling_params": greedy(1)})["meta_info"]
                 .get("dp_rank") for p in prompts[:4]}
     assert replicas == {0, 1}, replicas
+
+
+
+def test_the_owner_dying_fails_the_other_groups_requests_and_stops_the_server(stacks):
+    """Replica-DP 2 decoder with a request waiting for KV in each replica (the prefill server
+    holds their orders): SIGKILL the owner's scheduler (group 0's leader, which holds the
+    server's one backend). The other replica's request fails with the reason within the fault
+    deadline, and the decode server stops (SGLang takes it down when that replica's scheduler
+    stops) instead of serving half-alive."""
+    import os
+    import signal
+    import threading
+
+    from sglang_disagg.launch.client import RequestError
+
+    from .faultlib import FAULT_DEADLINE_S, long_prompt, wait_for
+
+    # The module's last test: it kills the replica stack of the token check (cheaper than a new one).
+    stack = stacks.get(REPLICAS)
+    try:
+        errors: dict[str, BaseException | None] = {}
+
+        # Straight to the decoder: the router would retry a 503 elsewhere and answer with its own words.
+        decoder = f"http://127.0.0.1:{stack.cfg.ports.decode}"
+
+        def ask(i: int) -> None:
+            try:
+                post_json(f"{decoder}/generate", {"input_ids": long_prompt(40, 100 + i), "rid": f"held-{i}",
+                                                    "sampling_params": greedy(4)}, timeout=60)
+                errors[f"held-{i}"] = None
+            except BaseException as e:  # noqa: BLE001 - inspected below
+                errors[f"held-{i}"] = e
+
+        threads = [threading.Thread(target=ask, args=(i,), daemon=True) for i in range(2)]
+        for t in threads:
+            t.start()
+        waiting = lambda g: (stack.messenger_stats("decode", g) or {}).get("in_flight", {}).get("transfer", 0)
+        wait_for("a request waiting for KV in each replica", lambda: waiting(0) and waiting(1), timeout=30)
+        owner = stack.messenger_stats("decode", 0)["pid"]
+        assert owner != stack.messenger_stats("decode", 1)["pid"]
+        t0 = time.monotonic()
+        os.kill(owner, signal.SIGKILL)
+        for t in threads:
+            t.join(FAULT_DEADLINE_S + 5)
+        assert not any(t.is_alive() for t in threads), "a request still hangs after the owner died"
+        failed = [e for e in errors.values() if isinstance(e, RequestError)]
+        assert any("messenger is gone" in e.body for e in failed), errors
+        decode = next(p for p in stack.processes if p.spec.name == "decode")
+        wait_for("the decode server to stop", lambda: decode.poll() is not None, timeout=30)
+        assert time.monotonic() - t0 < 30
+    finally:
+        stacks.close()

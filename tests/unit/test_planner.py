@@ -179,3 +179,16 @@ def test_groups_for_a_subset_of_layers_and_pages():
     with pytest.raises(ValueError, match="destination pages"):
         plan.groups([1], [])
     assert pages_for(33, 16) == 3 and pages_for(32, 16) == 2 and pages_for(0, 16) == 0
+
+
+@pytest.mark.parametrize("groups,group", [(2, 0), (2, 1), (4, 3)])
+def test_a_dp_decoder_groups_tags_still_draw_every_source_evenly(groups, group):
+    """A DP decoder's group g takes the tags equal to g modulo the groups (decode.py): the draw
+    seeded by the tag must stay even over the prefill's replicas for such a residue class."""
+    from collections import Counter
+
+    plan = ShardPlan.build(_mla(), 4, 1)
+    tags = [k * groups + group for k in range(1, 2001)]
+    drawn = Counter(p.src_rank for t in tags for p in plan.for_request(t).pieces)
+    assert set(drawn) == {0, 1, 2, 3}
+    assert all(400 <= n <= 600 for n in drawn.values()), drawn  # 500 each expected; 4.5 sigma either side
