@@ -1,13 +1,14 @@
 """Attention DP against TP on the decoder, through the messenger, at a fixed load.
 
-    python benchmarks/dp.py --out DIR [--model tiny-deepseek-v3] [--rate 1.0] [--count 24] [--repeats 2]
+    python benchmarks/dp.py --out DIR [--model tiny-deepseek-v3] [--rates 1 8] [--count 32] [--repeats 2]
 
 Two stacks on this machine, the same prefill server (TP 2: the MLA latent is on both ranks,
 each request's source rank drawn at random) and a decoder on the same 2 ranks: TP 2, or
 TP 2 with 2 attention-DP groups of one rank (the seed's claim: DP takes more load per rank).
 Each serves the same Poisson arrivals (load_client.py: streamed /generate, greedy,
-ignore_eos) of `count` requests of 64 prompt and 32 output tokens at `rate` per second;
-configurations interleave over `repeats`. Per run: requests per second served (completed
+ignore_eos) of `count` requests of 64 prompt and 32 output tokens at each offered rate
+(requests per second: one the stacks keep up with, one beyond what they serve); configurations
+interleave over `repeats`. Per run: requests per second served (completed
 requests over the time from the first arrival to the last completion), ITL p50/p99, TTFT
 p50, errors, the decode groups' share of requests, the prefill's requests per source rank.
 Writes DIR/dp.json and DIR/dp.png. On 2 cores (4 scheduler processes) absolute numbers are
@@ -65,8 +66,8 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--model", default="tiny-deepseek-v3")
-    ap.add_argument("--rate", type=float, default=1.0)
-    ap.add_argument("--count", type=int, default=24)
+    ap.add_argument("--rates", type=float, nargs="+", default=[1.0, 8.0])
+    ap.add_argument("--count", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--port", type=int, default=30400)
     args = ap.parse_args(argv)
@@ -74,19 +75,27 @@ def main(argv: list[str]) -> int:
     logs = Path(tempfile.mkdtemp(prefix="bench-dp-"))
     rows, t0 = [], time.time()
     for rep in range(args.repeats):
-        for k, (name, kw) in enumerate(CONFIGS.items()):
-            cfg = LaunchConfig(role=Role.ALL, model=args.model, backend="shmem", prefill_tp=2, max_total_tokens=8192,
-                               port=args.port + 30 * k, log_dir=str(logs / f"{name}-{rep}"), **kw)
-            rows.append(one(name, cfg, args.rate, args.count, seed=7 + rep))
-            print(f"[bench] {rows[-1]}", flush=True)
+        for rate in args.rates:
+            for k, (name, kw) in enumerate(CONFIGS.items()):
+                cfg = LaunchConfig(role=Role.ALL, model=args.model, backend="shmem", prefill_tp=2,
+                                   max_total_tokens=8192, port=args.port + 30 * k,
+                                   log_dir=str(logs / f"{name}-{rate:g}-{rep}"), **kw)
+                rows.append(one(name, cfg, rate, args.count, seed=7 + rep) | {"offered_rate": rate})
+                print(f"[bench] {rows[-1]}", flush=True)
     summary = []
-    for name in CONFIGS:
-        mine = [r for r in rows if r["config"] == name]
-        summary.append({"config": name} | {k: statistics.median(r[k] for r in mine if r[k] is not None)
-                                           for k in ("requests_per_s", "itl_p50_ms", "itl_p99_ms", "ttft_p50_s")
-                                           if any(r[k] is not None for r in mine)}
-                       | {"errors": sum(r["errors"] for r in mine)})
-    doc = {"model": args.model, "rate": args.rate, "count": args.count, "repeats": args.repeats,
+    for rate in args.rates:
+        for name in CONFIGS:
+            mine = [r for r in rows if r["config"] == name and r["offered_rate"] == rate]
+            summary.append({"config": name, "offered_rate": rate}
+                           | {k: statistics.median(r[k] for r in mine if r[k] is not None)
+                              for k in ("requests_per_s", "itl_p50_ms", "itl_p99_ms", "ttft_p50_s")
+                              if any(r[k] is not None for r in mine)}
+                           | {"errors": sum(r["errors"] for r in mine)})
+        base, dp = summary[-2], summary[-1]
+        if base.get("requests_per_s") and dp.get("requests_per_s"):
+            dp["vs_tp2"] = {k: round(dp[k] / base[k], 3) for k in ("requests_per_s", "itl_p50_ms", "itl_p99_ms")
+                            if base.get(k) and dp.get(k)}
+    doc = {"model": args.model, "rates": args.rates, "count": args.count, "repeats": args.repeats,
            "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
            "command": "python benchmarks/dp.py " + " ".join(argv), "wall_s": round(time.time() - t0),
            "date": time.strftime("%Y-%m-%d"), "summary": summary, "rows": rows}
@@ -104,14 +113,20 @@ def plot(doc: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     summary = doc["summary"]
-    names = [s["config"] for s in summary]
+    rates = doc["rates"]
     fig, axes = plt.subplots(1, 3, figsize=(11, 3.5))
+    width = 0.38
     for ax, key, label in zip(axes, ("requests_per_s", "itl_p50_ms", "itl_p99_ms"),
                               ("requests/s served", "ITL p50 (ms)", "ITL p99 (ms)")):
-        ax.bar(names, [s.get(key, 0) for s in summary], color=["tab:blue", "tab:orange"])
+        for j, (name, color) in enumerate(zip(CONFIGS, ("tab:blue", "tab:orange"))):
+            vals = [next((s.get(key, 0) for s in summary if s["config"] == name and s["offered_rate"] == r), 0)
+                    for r in rates]
+            ax.bar([i + (j - 0.5) * width for i in range(len(rates))], vals, width, label=name, color=color)
+        ax.set_xticks(range(len(rates)), [f"{r:g}/s" for r in rates])
+        ax.set_xlabel("requests offered")
         ax.set_title(label)
-    fig.suptitle(f"{doc['model']}: decoder TP 2 vs attention DP 2, {doc['rate']:g} req/s offered, "
-                 f"medians of {doc['repeats']}")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{doc['model']}: decoder TP 2 vs attention DP 2 (same 2 ranks), medians of {doc['repeats']}")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 

@@ -202,7 +202,9 @@ def scheduler_ready(scheduler: Any) -> None:
             if sock is not None:
                 _waiter.register(sock, zmq.POLLIN)
         _waiter.register(fd, zmq.POLLIN)
-        if int(getattr(scheduler.server_args, "attn_dp_size", 1) or 1) > 1:
+        from sglang_disagg.messenger.dataparallel import resolved
+
+        if int(getattr(resolved(scheduler.server_args), "attn_dp_size", 1) or 1) > 1:
             _wait_ms = _DP_IDLE_WAIT_MS
 
 

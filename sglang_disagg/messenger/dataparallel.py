@@ -66,7 +66,7 @@ def check_argv(argv: Sequence[str]) -> None:
             raise UnsupportedParallelism(_use_launcher(f"{name} {size}", SIZE_FLAGS[name]))
 
 
-def _resolved(server_args: Any) -> Any:
+def resolved(server_args: Any) -> Any:
     """SGLang's resolved view of its arguments: the deprecated ``--enable-dp-attention
     --dp-size D`` leaves the raw dp_size at D and resolves to attn_dp_size D, dp_size 1."""
     try:
@@ -79,7 +79,7 @@ def _resolved(server_args: Any) -> Any:
 def check_server_args(server_args: Any) -> None:
     """Refuse, for a messenger server's parsed arguments (SGLang's ServerArgs), what the
     messenger does not carry: attention DP and replica DP at once, DP off CPU."""
-    view = _resolved(server_args)
+    view = resolved(server_args)
     replica, attention = (int(getattr(view, f, 1) or 1) for f in ("dp_size", "attn_dp_size"))
     if replica > 1 and attention > 1:
         raise UnsupportedParallelism(f"dp_size={replica} with attn_dp_size={attention}: replica DP and attention "

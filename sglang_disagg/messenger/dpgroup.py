@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .dataparallel import resolved
 from .groupwire import socket_name
 
 
@@ -38,7 +39,8 @@ class Place:
         # The HTTP port names the server: every group of it sees the same, no two servers on
         # one host share one.
         key = f"{role}-{args.port}"
-        attn_dp, dp = int(getattr(args, "attn_dp_size", 1) or 1), int(getattr(args, "dp_size", 1) or 1)
+        view = resolved(args)  # the deprecated --enable-dp-attention --dp-size D is attention DP
+        attn_dp, dp = int(getattr(view, "attn_dp_size", 1) or 1), int(getattr(view, "dp_size", 1) or 1)
         if attn_dp > 1:
             return cls(int(par.attn_dp_rank), attn_dp, int(par.attn_tp_rank), int(par.attn_tp_size),
                        scheduler.attn_tp_cpu_group, key)

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import shm
+from ..backends.errors import PeerLostError
 from ..backends.regions import HOST, PeerState
 from ..threads import Thread as NamedThread
 from . import groupwire as gw, wire
@@ -52,7 +53,8 @@ class Owner:
         self._users: dict[int, set[int]] = {}         # pid -> groups told about it
         self._states: dict[int, PeerState] = {}       # pid -> state last told
         self._opened_by: dict[int, int] = {}          # id(Peer) -> the group that connected it (decode)
-        self._remotes: dict[int, Any] = {}
+        self._remotes: dict[int, tuple[int, Any]] = {}  # id -> (its peer's pid, RemoteRegion)
+        self._hellos: dict[int, tuple[Any, bytes]] = {}  # prefill: id(Peer) -> its decoder's last Hello
         self._remote_ids = itertools.count(1)
         self.outstanding = [0] * groups               # prefill: orders given to each group, not done
         self._orders: dict[tuple[str, int], int] = {}  # (decoder instance, tag) -> group
@@ -70,6 +72,8 @@ class Owner:
         if self.role is MessengerRole.DECODE:
             targets = [self._opened_by.get(id(peer), 0)]
         elif isinstance(msg, wire.Hello):
+            with self._lock:  # a group joining later hears it then (_serve)
+                self._hellos[id(peer)] = (peer, raw)
             targets = list(range(self.groups))
         elif isinstance(msg, wire.PrefillOrder):
             with self._lock:
@@ -123,6 +127,11 @@ class Owner:
             return
         g = join.group
         with self._lock:
+            # Decoders that said Hello before this group joined: it hears them before any order
+            # can reach it (orders go to joined groups only, and it joins under this lock).
+            for peer, raw in self._hellos.values():
+                if peer.state is PeerState.CONNECTED:
+                    self._reply(chan, gw.Delivery(self._pid_locked(peer, g), peer.id, peer.address, raw.decode()))
             self._conns[g] = chan
             self._regions.setdefault(g, [])
         logger.info("messenger: DP group %d joined the server's messenger", g)
@@ -182,18 +191,22 @@ class Owner:
         return {"peer": self._pid(peer, g), "instance": peer.id, "address": peer.address}
 
     def _op_send(self, chan, g, peer, data):
-        self._peers[peer].send(data.encode())
+        self._peer(peer).send(data.encode())
 
     def _op_add_remote(self, chan, g, peer, raw):
-        remote = self._peers[peer].add_remote_region(raw)
-        rid = next(self._remote_ids)
-        self._remotes[rid] = remote
+        remote = self._peer(peer).add_remote_region(raw)
+        with self._lock:
+            rid = next(self._remote_ids)
+            self._remotes[rid] = (peer, remote)
         return rid
 
     def _op_write_pages(self, chan, g, future, peer, src, src_pages, src_stride, dst, dst_pages, dst_stride, length,
                         imm, src_offset, dst_offset):
-        fut = self.backend.write_pages(self._peers[peer], self._regions[g][src], src_pages, src_stride,
-                                       self._remotes[dst], dst_pages, dst_stride, length, imm, src_offset, dst_offset)
+        remote = self._remotes.get(dst)
+        if remote is None:
+            raise PeerLostError(f"the peer of remote region {dst} is gone")
+        fut = self.backend.write_pages(self._peer(peer), self._regions[g][src], src_pages, src_stride,
+                                       remote[1], dst_pages, dst_stride, length, imm, src_offset, dst_offset)
         fut.add_done_callback(lambda f: self._done(chan, future, f))
 
     def _op_expect(self, chan, g, future, tag, count, timeout_s, peers):
@@ -213,7 +226,7 @@ class Owner:
         return self.backend.stats()
 
     def _op_close_peer(self, chan, g, peer):
-        p = self._peers.get(peer)
+        p = self._peers.get(peer)  # already forgotten: it was lost or closed
         if p is not None:
             p.close()
 
@@ -223,22 +236,38 @@ class Owner:
     # ----- peers ------------------------------------------------------------------------------
     def _pid(self, peer: Any, g: int) -> int:
         with self._lock:
-            pid = self._pid_of.get(id(peer))
-            if pid is None:
-                pid = self._pid_of[id(peer)] = next(self._pids)
-                self._peers[pid] = peer
-                self._states[pid] = peer.state
-            self._users.setdefault(pid, set()).add(g)
-            return pid
+            return self._pid_locked(peer, g)
+
+    def _pid_locked(self, peer: Any, g: int) -> int:
+        pid = self._pid_of.get(id(peer))
+        if pid is None:
+            pid = self._pid_of[id(peer)] = next(self._pids)
+            self._peers[pid] = peer
+            self._states[pid] = peer.state
+        self._users.setdefault(pid, set()).add(g)
+        return pid
+
+    def _peer(self, pid: int) -> Any:
+        peer = self._peers.get(pid)
+        if peer is None:
+            raise PeerLostError(f"peer connection {pid} is gone")
+        return peer
 
     def _watch(self) -> None:
-        """Tell the groups using a peer that it was lost or closed."""
+        """Tell the groups using a peer that it was lost or closed, then forget the peer (a
+        group's later call on it fails as on a lost peer)."""
         while not self._stop.wait(STATE_POLL_S):
             with self._lock:
                 changed = [(pid, p.state, set(self._users.get(pid, ()))) for pid, p in self._peers.items()
                            if p.state is not self._states[pid]]
-                for pid, state, _ in changed:
-                    self._states[pid] = state
+                for pid, _, _ in changed:
+                    peer = self._peers.pop(pid)
+                    for table in (self._pid_of, self._opened_by, self._hellos):
+                        table.pop(id(peer), None)
+                    self._states.pop(pid, None)
+                    self._users.pop(pid, None)
+                    for rid in [r for r, (p, _) in self._remotes.items() if p == pid]:
+                        del self._remotes[rid]
                 conns = dict(self._conns)
             for pid, state, users in changed:
                 for g in users:

@@ -202,3 +202,31 @@ def test_group_wire_checks_version_and_fields():
         gw.decode(raw.replace(b'"v":1', b'"v":9'))
     with pytest.raises(gw.GroupWireError, match="fields"):
         gw.decode(raw.replace(b'"args"', b'"argz"'))
+
+
+def test_a_group_joining_late_hears_the_hellos_before_any_order():
+    """A prefill server's group 1 still loading when a decoder said Hello: it hears that
+    Hello when it joins, before the owner gives it an order (orders go to joined groups)."""
+    backend = _backend("shmem", None)
+    path = _path()
+    local = []
+    owner = Owner(backend, path, MessengerRole.PREFILL, groups=2, local=lambda p, m: local.append(m))
+    decoder = _Peer("dec")
+    kv = wire.KVSpec(model="m", fingerprint="f", num_layers=1, kv_heads=1, head_dim=64, v_head_dim=64,
+                     page_size=1, dtype="f", layout="hnd", tp=1)
+    hello = wire.Hello(decoder="d", backend="shmem", provider="", kv=kv, ranks=())
+    owner.dispatch(decoder, wire.encode(hello), hello)
+    order = wire.PrefillOrder(rid="r", tag=1, token_ids=(1,), dst_pages=(0,), start_page=0)
+    owner.dispatch(decoder, wire.encode(order), order)
+    assert local == [hello, order]  # group 1 not joined yet: everything to group 0
+    group = ProxyBackend(path, 1, deadline_s=5.0)
+    try:
+        peer, raw = group.recv(5.0)
+        assert wire.decode(raw) == hello and peer.id == "dec"
+        second = wire.PrefillOrder(rid="r2", tag=2, token_ids=(1,), dst_pages=(0,), start_page=0)
+        owner.dispatch(decoder, wire.encode(second), second)  # group 1 has fewer outstanding now
+        assert wire.decode(group.recv(5.0)[1]) == second
+    finally:
+        group.close()
+        owner.close()
+        backend.close()
