@@ -10,7 +10,8 @@ nothing to do for one says so in its body), so ``hooks`` never probes for a meth
 
 Scheduler side: every call comes from the scheduler thread of its TP rank, and every rank
 makes the same calls in the same scheduler iteration (SGLang keeps the ranks in lockstep;
-the messenger keeps that property, ranks.py):
+the messenger keeps that property, ranks.py). With data parallelism "the ranks" are one DP
+group's, each group with its own messenger and leader (dpgroup.py):
 
 ====================  =================  ================================================
 method                ranks              when (the patch that calls it)

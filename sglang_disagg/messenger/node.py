@@ -38,7 +38,10 @@ class Node:
     (shm.locate / cumem.export), the leader maps their buffers and
     registers all of them, so pages of every rank move through one backend instance and one
     connection per peer server. Non-leader ranks keep no backend: they follow the leader's
-    decisions through the scheduler's broadcast and ranks.agree()."""
+    decisions through the scheduler's broadcast and ranks.agree().
+    With data parallelism (dpgroup.py) the ranks are a DP group's and each group has a Node of
+    its own: group 0's leader holds the server's one backend and serves the other groups
+    (dpowner.Owner), whose leaders hold a dpproxy.ProxyBackend to it instead."""
 
     def __init__(self, cfg: MessengerConfig, scheduler: Any) -> None:
         self.cfg = cfg

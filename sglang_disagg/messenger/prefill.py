@@ -17,7 +17,8 @@ its orders cancelled at once: nobody would take their KV, and a decoder that rec
 has failed them already (it asks for Released on the new connection). The control thread (leader) reads decoders' messages and answers first
 contact; everything that touches the scheduler goes through the broadcast.
 
-One messenger per server: the leader (TP rank 0) owns the only backend, the layer counter
+One messenger per server: the leader (TP rank 0; with DP, each group's leader, its writes
+posted through group 0's backend: dpowner.py) owns the only backend, the layer counter
 and the streamer, and posts the writes of every rank's pages (Node maps the other ranks'
 KV). The layer counter can live on the leader alone because the reduction of o_proj's
 partial sums synchronises the ranks: once the leader's forward passed layer L + 1, every

@@ -11,8 +11,10 @@ float32):
   groups computed orders (the owner gives each order to the group with the fewest
   outstanding); the server has one backend instance (every group's describe names the same
   address);
-- replica DP (tiny-llama, --dp-size 2 on the decoder): the colocated server's tokens, both
-  replicas carried requests.
+- replica DP (tiny-llama, --dp-size 2 on both servers): the colocated server's tokens, both
+  decode replicas carried requests and both prefill replicas computed orders;
+- a request held at the prefill server stalls no other decode group; faults free every group of
+  both servers; the owner's death fails the other groups' requests and stops the server.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def _spec(prefill_attn_dp: int, decode_attn_dp: int) -> StackSpec:
                      env=HOLD if decode_attn_dp > 1 else ())
 
 
-REPLICAS = StackSpec(model="tiny-llama", decode_dp=2, env=HOLD)
+REPLICAS = StackSpec(model="tiny-llama", prefill_dp=2, decode_dp=2, env=HOLD)
 
 
 def _groups_stats(stack, role: str, groups: int) -> list[dict]:
@@ -230,7 +232,7 @@ def _reference_tokens(stacks, shape: str) -> None:
     assert seen == before + 2 * len(prompts)
 
 
-def test_replica_dp_decoder_gives_the_colocated_tokens(stacks):
+def test_replica_dp_on_both_sides_gives_the_colocated_tokens(stacks):
     prompts = prompts_for("tiny-llama")
     colocated = run_sequential(stacks.get(StackSpec(role=Role.COLOCATED)).url, prompts)
     stack = stacks.get(REPLICAS)
@@ -239,6 +241,9 @@ def test_replica_dp_decoder_gives_the_colocated_tokens(stacks):
     stats = _groups_stats(stack, "decode", 2)
     assert [s.get("dp_group") for s in stats] == [0, 1]
     assert all(s.get("requests_carried", 0) > 0 for s in stats), [s.get("requests_carried") for s in stats]
+    prefill = _groups_stats(stack, "prefill", 2)
+    assert all(s.get("orders", 0) > 0 for s in prefill), [s.get("orders") for s in prefill]
+    assert len({s.get("address") for s in prefill}) == 1, prefill
     replicas = {post_json(f"{stack.url}/generate", {"input_ids": p, "sampling_params": greedy(1)})["meta_info"]
                 .get("dp_rank") for p in prompts[:4]}
     assert replicas == {0, 1}, replicas
