@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
 import socket
 import threading
 from collections.abc import Callable
@@ -112,6 +113,11 @@ class Owner:
                 sock, _ = self._listener.accept()
             except OSError:
                 return
+            refused = admitted(sock)
+            if refused:
+                logger.error("messenger: refused a connection to the DP owner socket: %s", refused)
+                sock.close()
+                continue
             NamedThread(target=self._serve, args=(gw.Channel(sock),), name="dp-owner-group", daemon=True).start()
 
     def _serve(self, chan: gw.Channel) -> None:
@@ -282,3 +288,16 @@ class Owner:
             chan.close()
         for m in self._mappings:
             m.close()
+
+
+def admitted(sock: socket.socket) -> str:
+    """Why a process connecting to the owner socket is refused ("" if it is not). An abstract
+    socket has no file permissions: any process of the host's network namespace can connect.
+    Only the server's own user may drive its backend (which holds the deployment's secret and
+    writes into its peers' memory); that user can read the server's memory anyway."""
+    import struct
+
+    pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    if uid != os.getuid():
+        return f"process {pid} runs as uid {uid}, this server as uid {os.getuid()}"
+    return ""

@@ -230,3 +230,21 @@ def test_a_group_joining_late_hears_the_hellos_before_any_order():
         group.close()
         owner.close()
         backend.close()
+
+
+def test_only_the_servers_own_user_may_join(monkeypatch):
+    """The owner's abstract socket has no file permissions: a process of another user is
+    refused on its credentials (SO_PEERCRED; the other user is simulated by this process's
+    uid as the owner sees it, the check being one comparison)."""
+    import socket
+
+    from sglang_disagg.messenger import dpowner
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        assert dpowner.admitted(a) == ""
+        monkeypatch.setattr(dpowner.os, "getuid", lambda: os.geteuid() + 1)
+        assert f"runs as uid {os.geteuid()}" in dpowner.admitted(a)
+    finally:
+        a.close()
+        b.close()
