@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import subprocess
 import threading
 import time
 import urllib.request
@@ -15,7 +16,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sglang_disagg.launch.client import generate_ids
 
-FAULT_DEADLINE_S = 2.0  # every fault is detected, answered and cleaned up within this
+FAULT_DEADLINE_S = 2.0  # every fault a socket reports is detected, answered and cleaned up within this
+# A peer that cannot tell us anything (a cut cable, a partition, a hung host) is lost by its
+# silence: the heartbeat timeout (peer_timeout_s, 1.8 s), then the decoder fails what it held.
+# Measured 1.64-1.84 s on a quiet 2-core machine; the promise (docs/security.md) is the timeout
+# plus 0.7 s, which leaves a loaded machine a 25 % margin over the slowest seen.
+SILENT_PEER_DEADLINE_S = 2.5
 
 
 def long_prompt(n: int, seed: int) -> list[int]:
@@ -96,9 +102,30 @@ def wait_for(what: str, cond, timeout: float = 10.0, every: float = 0.005):
         time.sleep(every)
 
 
+def wait_until(cond, timeout: float, every: float = 0.05) -> bool:
+    """Whether `cond` came true within `timeout` (for a test that decides what to do next)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(every)
+    return True
+
+
 def signal_group(proc, sig: int) -> None:
     """A server with its scheduler and detokenizer children (they share its process group)."""
     os.killpg(proc.pid, sig)
+
+
+def drop_connections(port: int) -> int:
+    """Kill every TCP connection to 127.0.0.1:`port` (`ss -K`) and say how many: a drop that
+    found no connection is a fault that did not happen, and fails the test here rather than
+    letting it judge an outcome nothing caused."""
+    out = subprocess.run(["ss", "-K", "-t", "-n", "dst", "127.0.0.1", "dport", "=", f":{port}"],
+                         capture_output=True, text=True, check=True).stdout
+    killed = sum(1 for line in out.splitlines()[1:] if line.strip())  # ss lists what it closed
+    assert killed, f"ss -K closed no connection to port {port}: the fault did not happen"
+    return killed
 
 
 def row(case: str, time_to_error: float | None, pages_leaked: float, next_ok: bool, note: str = "") -> None:

@@ -103,7 +103,8 @@ def _itls(times: list[float], start: float = 0.0, end: float = float("inf")) -> 
 def test_a_group_waiting_for_kv_stalls_no_other_group(stacks):
     """Attention-DP 2 decoder: one group's request waits HOLD_S for its KV (the prefill server
     holds its order: a test fault); meanwhile the other group's request keeps decoding, its
-    inter-token latency within 2x of its own without the fault; then the held one finishes
+    inter-token latency with no gap near the hold and its median within 3x of its own without
+    the fault; then the held one finishes
     with the reference tokens."""
     stack = stacks.get(_spec(1, 2))
     prompts = prompts_for(DEEPSEEK)
@@ -124,8 +125,13 @@ def test_a_group_waiting_for_kv_stalls_no_other_group(stacks):
     assert held_times[0] - t_held >= HOLD_S * 0.9, "the fault did not hold the order"
     during = _itls(times, t_held + 0.2, t_held + HOLD_S - 0.2)
     assert len(during) >= 5, f"only {len(during)} tokens while the other group waited"
-    assert statistics.median(during) <= 2 * baseline, \
-        f"ITL {statistics.median(during) * 1000:.0f} ms while the other group waited, {baseline * 1000:.0f} ms alone"
+    # A stall would show as one gap as long as the hold. The median is judged against the
+    # baseline too, with room for the other work of a loaded machine (the baseline was taken
+    # a few seconds earlier): 3x, where a stall would be ~40x.
+    longest, median = max(during), statistics.median(during)
+    assert longest < HOLD_S / 4 and median <= 3 * baseline, \
+        f"ITL median {median * 1000:.0f} ms, longest {longest * 1000:.0f} ms while the other group waited, " \
+        f"{baseline * 1000:.0f} ms alone"
     assert ids == alone_ids and held_ids == want[1][:DP_TOKENS]
 
 
@@ -161,29 +167,37 @@ def test_faults_free_every_group_and_first_contact_refuses_another_model(stacks)
     every group of both servers frees its requests and pages, and the next requests are
     exact. A decoder of another model saying Hello as a DP group (group 1) is refused, once,
     naming the models."""
-    import subprocess
-
     from sglang_disagg.backends import BackendConfig, auth, create_backend
     from sglang_disagg.messenger import compat, wire
     from sglang_disagg.messenger.links import REFUSED_MARK
 
-    from .faultlib import FAULT_DEADLINE_S, Call, first_contact, long_prompt, wait_for
+    from .faultlib import (FAULT_DEADLINE_S, Call, drop_connections, first_contact, long_prompt, wait_for,
+                           wait_until)
 
     stack = stacks.get(_spec(2, 2))
     prompts = prompts_for(DEEPSEEK)
     want = [r[:DP_TOKENS] for r in reference(get_spec(DEEPSEEK), ensure_model(DEEPSEEK), prompts[2:4])]
     posted = lambda: sum(st.get("writes_posted", 0) for st in _groups_stats(stack, "prefill", 2))  # noqa: E731
-    before = posted()
-    calls = [Call(stack.url, long_prompt(600, 40 + i), 4) for i in range(2)]
-    wait_for("prefill writing", lambda: posted() > before, 60, 0.005)
-    subprocess.run(["ss", "-K", "dst", "127.0.0.1", "dport", "=", f":{stack.cfg.ports.bootstrap}"],
-                   capture_output=True, check=True)
-    for c in calls:
-        c.result(60)
+    # Each group publishes its stats at least every ~1 s: a failure is read within that.
+    failed = lambda: sum(st.get("requests_failed", 0) for st in _groups_stats(stack, "decode", 2))  # noqa: E731
+    links_ready = lambda: all({v["state"] for v in st.get("links", {}).values()} == {"ready"}  # noqa: E731
+                              for st in _groups_stats(stack, "decode", 2))
+    for attempt in range(3):  # the drop must land while KV is in flight, verified by a failure
+        before, failed_before = posted(), failed()
+        calls = [Call(stack.url, long_prompt(600, 40 + i + 100 * attempt), 4) for i in range(2)]
+        wait_for("prefill writing", lambda: posted() > before, 60, 0.005)
+        killed = drop_connections(stack.cfg.ports.bootstrap)
+        assert killed >= 2, f"{killed} control connection(s) dropped; each decode group has its own"
+        for c in calls:
+            c.result(60)
+        if wait_until(lambda: failed() > failed_before, 3):
+            break
+        print(f"attempt {attempt}: both transfers had finished before the drop; again")
+        wait_for("every decode group's link back", links_ready, 15, 0.1)
+    else:
+        pytest.fail("in 3 tries the control connections never dropped while KV was in flight")
     assert _released(stack, FAULT_DEADLINE_S + 3) == []
-    wait_for("every decode group's link back", lambda: all(
-        {v["state"] for v in st.get("links", {}).values()} == {"ready"}
-        for st in _groups_stats(stack, "decode", 2)), 15, 0.1)
+    wait_for("every decode group's link back", links_ready, 15, 0.1)
 
     leaving = [Call(stack.url, long_prompt(2000, 50 + i), 4, timeout=0.6) for i in range(2)]
     for c in leaving:

@@ -27,7 +27,6 @@ and layer per destination rank. Checked, against one colocated TP 1 server of th
 from __future__ import annotations
 
 import random
-import subprocess
 import time
 
 import pytest
@@ -45,7 +44,8 @@ from sglang_disagg.models import ensure_model, get_spec
 from sglang_disagg.testsupport import DUMP_ENV
 
 from .conftest import OUTPUT_TOKENS, StackSpec, assert_same, prompts_for, run_concurrent, start_stack, structured
-from .faultlib import FAULT_DEADLINE_S, Call, first_contact, long_prompt, scrape, value, wait_for, wait_released
+from .faultlib import (FAULT_DEADLINE_S, Call, drop_connections, first_contact, long_prompt, scrape, value, wait_for,
+                       wait_released)
 from .test_deepseek_colocated import reference
 
 pytestmark = pytest.mark.e2e
@@ -211,19 +211,27 @@ def test_missing_layer_differs_refusal_and_dropped_connection(colocated):
         _geometry_refused(stack)
 
         writes = lambda: _writes(stack, "prefill")  # noqa: E731
-        before = writes()
-        call = Call(stack.url, long_prompt(2000, 27), 4)
-        wait_for("prefill writing", lambda: writes() > before, 30, 0.005)
-        t0 = time.monotonic()
-        subprocess.run(["ss", "-K", "dst", "127.0.0.1", "dport", "=", f":{stack.cfg.ports.bootstrap}"],
-                       capture_output=True, check=True)
-        call.result()
+        failed = lambda: value(scrape("127.0.0.1", stack.cfg.ports.decode_metrics),  # noqa: E731
+                               "sglang_disagg_requests_total", outcome="failed")
+        link_ready = lambda: {v["state"] for v in  # noqa: E731
+                              (stack.messenger_stats("decode") or {}).get("links", {}).values()} == {"ready"}
+        for attempt in range(3):  # the drop must land while the KV is in flight, verified below
+            before, failed_before = writes(), failed()
+            call = Call(stack.url, long_prompt(2000, 27 + 100 * attempt), 4)
+            wait_for("prefill writing", lambda: writes() > before, 30, 0.005)
+            t0 = time.monotonic()
+            drop_connections(stack.cfg.ports.bootstrap)
+            call.result()
+            if failed() > failed_before:  # the decoder failed it mid-transfer (the router may retry it)
+                break
+            print(f"attempt {attempt}: the transfer had finished before the drop; again")
+            wait_for("the link back", link_ready, 10, 0.1)
+        else:
+            pytest.fail("in 3 tries the control connection never dropped while KV was in flight")
         _, leak_d = wait_released("127.0.0.1", stack.cfg.ports.decode_metrics, t0, FAULT_DEADLINE_S + 3)
         _, leak_p = wait_released("127.0.0.1", stack.cfg.ports.prefill_metrics, t0, FAULT_DEADLINE_S + 3)
         assert leak_d == 0 and leak_p == 0
-        wait_for("the link back", lambda: {v["state"] for v in
-                                           (stack.messenger_stats("decode") or {}).get("links", {}).values()}
-                 == {"ready"}, 10, 0.1)
+        wait_for("the link back", link_ready, 10, 0.1)
         assert generate_ids(stack.url, prompts[0], OUTPUT_TOKENS) == expected[0]  # 1 token: never carried
     finally:
         stack.stop()

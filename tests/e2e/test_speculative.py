@@ -17,7 +17,6 @@ a control connection dropped mid-transfer frees every page on both sides.
 
 from __future__ import annotations
 
-import subprocess
 import time
 from dataclasses import dataclass
 
@@ -35,8 +34,8 @@ from sglang_disagg.models import get_spec
 from sglang_disagg.testsupport import DUMP_ENV
 
 from .conftest import COMMON_ARGS, OUTPUT_TOKENS, next_port, prompts_for
-from .faultlib import (FAULT_DEADLINE_S, Call, first_contact, long_prompt, scrape, total, value, wait_for,
-                       wait_released)
+from .faultlib import (FAULT_DEADLINE_S, Call, drop_connections, first_contact, long_prompt, scrape, total, value,
+                       wait_for, wait_released)
 
 pytestmark = pytest.mark.e2e
 
@@ -236,8 +235,7 @@ def test_zeroed_draft_kv_first_contact_and_a_fault(spec_reference):
         call = Call(stack.url, long_prompt(2000, 18), 4)
         wait_for("prefill writing", lambda: writes() > before, 30, 0.005)
         t0 = time.monotonic()
-        subprocess.run(["ss", "-K", "dst", "127.0.0.1", "dport", "=", f":{stack.cfg.ports.bootstrap}"],
-                       capture_output=True, check=True)
+        drop_connections(stack.cfg.ports.bootstrap)
         call.result()
         assert failed() == failed_before + 1  # the decoder failed it mid-transfer (the router may retry it)
         _, leak_d = wait_released("127.0.0.1", stack.cfg.ports.decode_metrics, t0, FAULT_DEADLINE_S + 3)

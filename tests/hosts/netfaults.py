@@ -10,7 +10,6 @@ sent from the router's host and every server's /metrics is read from that server
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from e2e.conftest import COMMON_ARGS
@@ -73,6 +72,11 @@ class NetFaults:
 
     def outcome(self, outcome: str) -> float:
         return value(self.metrics("decode-0"), "sglang_disagg_requests_total", outcome=outcome)
+
+    def causes(self) -> dict[str, float]:
+        """The decoder's failed requests by cause (so an unexpected failure says why)."""
+        return {dict(k[1:]).get("cause", "?"): v for k, v in self.metrics("decode-0").items()
+                if k[0] == "sglang_disagg_failures_total" and v}
 
     def last_failure(self) -> float:
         """Unix time of the decoder's last failed request (any cause), by its own clock."""

@@ -30,7 +30,8 @@ pytestmark = pytest.mark.e2e
 
 # Data planes that let a host outside the deployment into registered memory whatever the
 # secret (their protocols carry no authentication: docs/security.md, "Exposure across hosts"). Anything
-# else the exposure check finds broken fails the test.
+# else the exposure check finds broken fails the test; what is known open makes the test an
+# expected failure (XFAIL, with the findings) once every other check passed.
 KNOWN_OPEN = {"nixl": ("UCX tcp interface",), "mooncake": ("Mooncake handshake", "Mooncake TCP transport")}
 
 CASES = {
@@ -60,6 +61,10 @@ def test_token_exact_across_hosts_and_the_kv_crossed_the_link(tmp_path, network,
     for b in broken:
         print(("UNEXPECTED " if b in unexpected else "known open: ") + b)
     assert not unexpected, f"{len(unexpected)} exposure promise(s) broken:\n" + "\n".join(unexpected)
+    open_now = [b for b in broken if b not in unexpected]
+    # A backend known to be open that the probe found closed: fixed upstream, or a probe that
+    # did not reach it. Either way the list and docs/security.md must be looked at again.
+    assert bool(open_now) == bool(known), f"{c['backend']}: known open {known}, the probe found {open_now or 'none'}"
     assert_same(got["outputs"], expected, prompts)
     kv = got["kv_bytes"] - got["kv_bytes_before"]
     # Every prompt but the 1-token one leaves the decoder; the repeated long prompt and the
@@ -71,3 +76,6 @@ def test_token_exact_across_hosts_and_the_kv_crossed_the_link(tmp_path, network,
     tx = after["tx_bytes"] - before["tx_bytes"]
     print(f"{case}: KV {kv:.0f} B, decode eth0 rx {rx} B ({rx / kv:.2f}x), tx {tx} B")
     assert rx >= kv, f"decode host's link received {rx} B, less than the {kv:.0f} B of KV the decoder counted"
+    if open_now:  # reported as an expected failure, with its reason, once everything else held
+        pytest.xfail(f"known open ({len(open_now)}), by the library's design (docs/security.md, \"Exposure across "
+                     f"hosts\"): " + "; ".join(open_now))

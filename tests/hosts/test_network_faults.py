@@ -2,8 +2,9 @@
 decode host behind a 40 Mbit/s link, the router's host, libfabric tcp, tiny-llama).
 
 Each fault lands while a long prompt's KV is really crossing the link, and each case holds
-the fault matrix's promises: a clear error within 2 s (FAULT_DEADLINE_S; read from the
-decoder's own counter, since the client may be cut off from it) or a re-route (here the
+the fault matrix's promises: a clear error within 2.5 s of a cut (SILENT_PEER_DEADLINE_S: the
+1.8 s heartbeat timeout and the decoder's reaction; read from the decoder's own counter, since
+the client may be cut off from it) or a re-route (here the
 router's one retry: a new request with new pages), 0 pages left on the servers that live
 (pages a silent host might still write into stay quarantined, counted, until it answers),
 the decoder hands off only requests whose KV all landed (its "carried" count moves only for
@@ -21,7 +22,7 @@ import time
 
 import pytest
 
-from e2e.faultlib import FAULT_DEADLINE_S, leaked_pages, row, wait_for
+from e2e.faultlib import FAULT_DEADLINE_S, SILENT_PEER_DEADLINE_S, leaked_pages, row, wait_for
 from harness.hosts import netns, shaping
 
 from .conftest import LONG_OUTPUT, OUTPUT_TOKENS
@@ -88,14 +89,18 @@ def test_the_decode_link_cut_shorter_than_the_heartbeat_timeout_fails_nothing(nf
     prompt, out = longs["long-0"]
     failed, carried = nf.outcome("failed"), nf.outcome("carried")
     call = nf.mid_transfer("prefill-0", prompt, LONG_OUTPUT)
-    down = 0.45 * HEARTBEAT_S  # TCP retransmits back off: the silence the peers see outlasts the cut
+    # TCP's retransmit timer backs off (>= 200 ms, doubling, raised by the queue behind the
+    # 40 Mbit/s cap): the silence the peers see can be twice the cut or more. 0.45 x the timeout
+    # failed a request once in CI (a 0.81 s cut seen as a lost peer); 0.3 x leaves room.
+    down = 0.3 * HEARTBEAT_S
     nf.net.link(LAYOUT.decode, False)
     time.sleep(down)
     nf.net.link(LAYOUT.decode, True)
     t0 = time.monotonic()
     call.result(60)
     assert call.err is None and call.out == out, call.err or call.out
-    assert nf.outcome("failed") == failed and nf.outcome("carried") == carried + 1
+    assert nf.outcome("failed") == failed, f"the decoder failed a request: {nf.causes()}"
+    assert nf.outcome("carried") == carried + 1
     assert {v["state"] for v in nf.links().values()} == {"ready"}
     leaked = no_leaks(nf, t0)
     row(f"N1 decode host's link cut {down:.2f} s mid-transfer (< heartbeat {HEARTBEAT_S} s)", None, leaked,
@@ -121,7 +126,7 @@ def test_the_decode_link_cut_longer_fails_what_was_in_flight_and_the_links_come_
     outcome, handed = settled(call, out, t1)  # a retry holds pages of its own until it is served
     freed, held = nf.released("decode-0", t1, timeout=2)
     assert held == 0, f"the decoder still holds {held} pages or requests 2 s after the request settled"
-    assert tte < FAULT_DEADLINE_S, f"the decoder failed the request {tte:.3f} s after the cut"
+    assert tte < SILENT_PEER_DEADLINE_S, f"the decoder failed the request {tte:.3f} s after the cut"
     assert nf.outcome("carried") == carried + handed
     row(f"N2 decode host's link cut {2 * HEARTBEAT_S + 0.5:.1f} s mid-transfer (> heartbeat)", tte, leaked + held,
         exact(nf, reference, 3), f"failed by the decoder (peer silent); links ready {back:.3f}s after the link came "
@@ -147,7 +152,7 @@ def test_a_partition_between_a_prefill_host_and_the_decode_host(nf, longs, refer
     finally:
         shaping.partition(nf.net, LAYOUT.prefill[0], LAYOUT.decode, cut=False)
     t1 = time.monotonic()
-    assert tte < FAULT_DEADLINE_S, f"{tte:.3f} s to the decoder's error"
+    assert tte < SILENT_PEER_DEADLINE_S, f"{tte:.3f} s to the decoder's error"
     assert nf.outcome("carried") == carried + handed + 1
     back = nf.wait_links_ready()
     freed, held = nf.released("decode-0", t1, timeout=2)
@@ -250,7 +255,7 @@ def test_a_prefill_host_cut_off_fails_what_it_was_writing_which_the_router_retri
         tte = decoder_failed(nf, failed, t0)
         outcomes = [settled(a, a_out, t0)[0], settled(c, c_out, t0)[0]]
         assert b.result(60).out == b_out, b.err
-        assert tte < FAULT_DEADLINE_S, f"{tte:.3f} s to the decoder's error"
+        assert tte < SILENT_PEER_DEADLINE_S, f"{tte:.3f} s to the decoder's error"
         leaked = no_leaks(nf, t0, ("prefill-0", "prefill-1"))  # prefill-a freed its own, read from inside it
         pages = -(-len(a_prompt) // 16) + -(-len(c_prompt) // 16)
         wait_for("the failed requests' pages quarantined",

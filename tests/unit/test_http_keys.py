@@ -96,9 +96,10 @@ def test_sglang_takes_both_keys_from_the_file_the_launcher_writes(tmp_path, secr
     assert (args.api_key, args.admin_api_key) == (k.api, k.admin)
 
 
-def test_sglang_shows_neither_key_in_server_info_or_its_logs():
-    """The patch server_info-redact-the-API-keys: /get_server_info answers an API-key holder
-    with the resolved args and the launch command, which held the admin key."""
+def test_the_patched_redaction_hides_both_keys_in_arguments_and_command_lines():
+    """The helpers of the patch server_info-redact-the-API-keys (/get_server_info answers an
+    API-key holder with the resolved args and the launch command, which held the admin key).
+    The live answer is checked against a keyed deployment in tests/hosts/http_keys.py."""
     from sglang.srt.sampling.watermarking.core import redact_watermark_command_line, redact_watermark_secrets
 
     shown = redact_watermark_secrets({"api_key": "A" * 32, "admin_api_key": "B" * 32, "port": 30002})

@@ -62,7 +62,8 @@ def test_the_gate_sleeps_when_nothing_can_arrive_and_a_kick_wakes_it():
     assert 0.15 < time.monotonic() - t0 < 2.0 and gate.sleeps == 1
     t0 = time.monotonic()
     gate.after(True)  # traffic: straight back to fast turns
-    assert time.monotonic() - t0 < 0.05
+    took = time.monotonic() - t0
+    assert took < 0.5, f"{took:.3f} s: traffic must not wait out the 5 s idle sleep (0.5 s leaves room for a loaded machine)"
 
 
 def test_the_gate_never_sleeps_while_something_is_expected():
