@@ -8,7 +8,8 @@ stdlib primitives (`secrets`, `hmac`, `hashlib`): no cryptography of our own.
 
 Both messages have a fixed size, so nothing is length-prefixed and nothing is parsed
 before authentication: an unauthenticated peer can make us read at most 69 bytes and
-wait at most the handshake timeout.
+wait at most the handshake timeout, a deadline for the whole exchange (a peer trickling
+one byte at a time is cut at it like a silent one).
 
 The secret comes from ``SGLANG_DISAGG_SECRET_FILE`` (a file holding it; the launcher
 writes one, mode 0600, for a local stack) or ``SGLANG_DISAGG_SECRET`` (the value). A
@@ -25,6 +26,7 @@ import os
 import secrets
 import socket
 import struct
+import time
 
 from .errors import TransferError
 
@@ -72,27 +74,50 @@ def _proof(key: bytes, role: bytes, theirs: bytes, ours: bytes) -> bytes:
     return hmac.new(key, b"sglang-disagg control v1|" + role + b"|" + theirs + ours, hashlib.sha256).digest()
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise AuthError("connection closed during authentication (the peer may have refused our proof: "
-                            "wrong or missing shared secret)")
-        buf += chunk
-    return bytes(buf)
+class _Deadline:
+    """Sends and receives on `sock` that all end by one moment: the socket timeout is set
+    to what is left before each call (a per-call timeout let a peer sending one byte
+    every 1.9 s hold a 2 s handshake open for minutes)."""
+
+    def __init__(self, sock: socket.socket, timeout_s: float) -> None:
+        self.sock, self.timeout_s = sock, timeout_s
+        self.at = time.monotonic() + timeout_s
+
+    def _arm(self) -> None:
+        left = self.at - time.monotonic()
+        if left <= 0:  # settimeout(0) would make the socket non-blocking, not expire it
+            raise socket.timeout
+        self.sock.settimeout(left)
+
+    def sendall(self, data: bytes) -> None:
+        self._arm()  # sendall's timeout bounds the whole call (Python >= 3.5)
+        self.sock.sendall(data)
+
+    def recv_exact(self, n: int) -> bytes:
+        buf = bytearray()
+        while len(buf) < n:
+            self._arm()
+            chunk = self.sock.recv(n - len(buf))
+            if not chunk:
+                raise AuthError("connection closed during authentication (the peer may have refused our proof: "
+                                "wrong or missing shared secret)")
+            buf += chunk
+        return bytes(buf)
 
 
 def handshake(sock: socket.socket, secret: bytes | None, dialed: bool, timeout_s: float) -> None:
-    """Authenticate both ends of `sock` within `timeout_s`; raises AuthError. The socket's
-    timeout is left at `timeout_s` (the caller resets it once the peer is admitted)."""
+    """Authenticate both ends of `sock`, all of it within `timeout_s` of the call (a deadline,
+    not a per-recv timeout); raises AuthError. Callers pass BackendConfig.handshake_timeout_s
+    (2 s by default; the messenger passes min(2 s, its connect timeout), a dialer no more
+    than its connect timeout). The socket is left with a timeout of at most what was left
+    (the caller sets its own once the peer is admitted)."""
     key = secret if secret is not None else _OPEN_KEY
     ours = secrets.token_bytes(_NONCE)
     me, them = (b"dialer", b"acceptor") if dialed else (b"acceptor", b"dialer")
-    sock.settimeout(timeout_s)
+    io = _Deadline(sock, timeout_s)
     try:
-        sock.sendall(_CHALLENGE.pack(_MAGIC, _VERSION, ours))
-        magic, version, theirs = _CHALLENGE.unpack(_recv_exact(sock, _CHALLENGE.size))
+        io.sendall(_CHALLENGE.pack(_MAGIC, _VERSION, ours))
+        magic, version, theirs = _CHALLENGE.unpack(io.recv_exact(_CHALLENGE.size))
         if magic != _MAGIC:
             raise AuthError("peer does not speak the sglang-disagg control protocol")
         if version != _VERSION:
@@ -100,13 +125,13 @@ def handshake(sock: socket.socket, secret: bytes | None, dialed: bool, timeout_s
         if theirs == ours:
             raise AuthError("peer echoed our challenge")
         if dialed:  # the acceptor proves first: a dialer never hands a proof to an impostor
-            _verify(_recv_exact(sock, _PROOF), key, them, ours, theirs)
-            sock.sendall(_proof(key, me, theirs, ours))
+            _verify(io.recv_exact(_PROOF), key, them, ours, theirs)
+            io.sendall(_proof(key, me, theirs, ours))
         else:
-            sock.sendall(_proof(key, me, theirs, ours))
-            _verify(_recv_exact(sock, _PROOF), key, them, ours, theirs)
+            io.sendall(_proof(key, me, theirs, ours))
+            _verify(io.recv_exact(_PROOF), key, them, ours, theirs)
     except socket.timeout:
-        raise AuthError(f"no authentication within {timeout_s} s") from None
+        raise AuthError(f"no authentication within {timeout_s:.3g} s") from None
     except OSError as e:
         raise AuthError(f"connection error during authentication: {e}") from None
 

@@ -18,7 +18,9 @@ class BackendConfig:
     port (0: any free port). `options` are backend specific.
     `secret`: the deployment's shared secret every control connection must prove (auth.py;
     None: both ends run without one). `handshake_timeout_s`: how long a new connection may
-    take to authenticate and say HELLO. `max_connections`: control connections alive at once.
+    take to authenticate and say HELLO (a deadline from its accept, not a timeout per read).
+    `max_connections`: control connections alive at once (when all are taken, a newcomer
+    evicts the oldest one not yet admitted; see control.ControlServer).
     `batch_timeout_s`: a batch of writes not complete this long after posting fails with
     DeadlineExceeded (a write whose completion never comes must not hold its future forever).
     `peer_timeout_s`: a peer that sent nothing at all (not even its heartbeat) for this long is

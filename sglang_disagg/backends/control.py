@@ -6,12 +6,15 @@ without waiting for the next write to fail (tcp;ofi_rxm and Mooncake fail only t
 next write). TCP keepalive covers hosts that vanish silently.
 
 A connection is authenticated first (auth.py: fixed-size challenge and proof, nothing
-parsed), then must be admitted by a HELLO within the handshake timeout; until then only
-HELLO frames of at most MAX_HELLO bytes are read. After admission: frames of a 4-byte
-big-endian length, 1-byte kind, payload, up to MAX_FRAME. A frame of an unknown kind, an
-oversized length, a frame the owner cannot parse (its handler raised), a silent peer
-during the handshake: each closes that connection, with the reason logged and passed to
-`on_lost`; nothing else changes. The server bounds how many connections live at once.
+parsed), then must be admitted by a HELLO; an accepted connection must do both within the
+handshake timeout of its accept (one deadline, not a timeout per recv: a peer trickling
+bytes is cut like a silent one). Until then only HELLO frames of at most MAX_HELLO bytes
+are read. After admission: frames of a 4-byte big-endian length, 1-byte kind, payload, up
+to MAX_FRAME. A frame of an unknown kind, an oversized length, a frame the owner cannot
+parse (its handler raised), a silent peer during the handshake: each closes that
+connection, with the reason logged and passed to `on_lost`; nothing else changes. The
+server bounds how many connections live at once; when full, a newcomer takes the place of
+the oldest connection not yet admitted (Slot).
 
 Liveness: admitted peers PING each other (peers.py's heartbeat thread, a few times per
 `peer_timeout_s`); a peer from which nothing at all arrived for `peer_timeout_s` is hung
@@ -73,23 +76,28 @@ class ControlConn:
 
     A dialed connection authenticates in start() (the caller gets AuthError); an accepted
     one in its reader thread, so a slow or hostile client never blocks the accept loop.
-    The owner calls admitted() from its HELLO handler once the peer is known."""
+    The owner calls admitted() from its HELLO handler (in the reader thread) once the peer
+    is known. Until then every read ends by a deadline: `handshake_timeout_s` after the
+    accept for an accepted connection (authentication and HELLO together); for a dialed one,
+    after its authentication (the reply waits on the acceptor attaching us natively;
+    connect() bounds the whole by its own timeout). `slot`: an accepted one's place in its
+    ControlServer, released when the connection closes."""
 
     def __init__(self, sock: socket.socket, on_frame: Callable[[ControlConn, int, bytes], None],
                  on_lost: Callable[[ControlConn, str], None], dialed: bool = False, secret: bytes | None = None,
-                 handshake_timeout_s: float = 2.0, on_closed: Callable[[], None] | None = None) -> None:
+                 handshake_timeout_s: float = 2.0, slot: Slot | None = None) -> None:
         _tune(sock)
         self.sock = sock
         self.dialed = dialed
         self.remote = _peername(sock)
-        self._on_frame, self._on_lost, self._on_closed = on_frame, on_lost, on_closed
+        self._on_frame, self._on_lost, self._slot = on_frame, on_lost, slot
         self._secret, self._handshake_s = secret, handshake_timeout_s
         self._admitted = False
+        self._deadline = time.monotonic() + handshake_timeout_s  # a dialed one re-arms it in start()
         self.last_rx = time.monotonic()   # any frame counts: the peer's PINGs keep it fresh
         self._fail_reason = ""
         self._send_lock = threading.Lock()
         self._closed = threading.Event()
-        self._released = threading.Lock()
         self._reader = NamedThread(target=self._read_loop, name="control-reader", daemon=True)
 
     def start(self) -> None:
@@ -99,6 +107,8 @@ class ControlConn:
             except auth.AuthError:
                 self._shut()
                 raise
+            self._deadline = time.monotonic() + self._handshake_s
+            self.sock.settimeout(self._handshake_s)  # for our HELLO, sent before the reader arms it
         self._reader.start()
 
     def admitted(self) -> None:
@@ -106,6 +116,8 @@ class ControlConn:
         self._admitted = True
         with contextlib.suppress(OSError):
             self.sock.settimeout(None)
+        if self._slot is not None:
+            self._slot.admitted()
 
     def send(self, kind: int, payload: bytes = b"") -> None:
         if len(payload) > MAX_FRAME:
@@ -155,12 +167,17 @@ class ControlConn:
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
-        if self._on_closed is not None and self._released.acquire(blocking=False):
-            self._on_closed()
+        if self._slot is not None:
+            self._slot.release()
 
     def _recv_exact(self, n: int) -> bytes | None:
         buf = bytearray()
         while len(buf) < n:
+            if not self._admitted:  # admitted() runs on this thread: no race with the timeout
+                left = self._deadline - time.monotonic()
+                if left <= 0:
+                    raise socket.timeout
+                self.sock.settimeout(left)
             chunk = self.sock.recv(n - len(buf))
             if not chunk:
                 return None
@@ -171,7 +188,7 @@ class ControlConn:
         reason = "connection closed by peer"
         try:
             if not self.dialed:
-                auth.handshake(self.sock, self._secret, False, self._handshake_s)
+                auth.handshake(self.sock, self._secret, False, max(0.0, self._deadline - time.monotonic()))
             while True:
                 head = self._recv_exact(_HEADER.size)
                 if head is None:
@@ -185,7 +202,10 @@ class ControlConn:
                 if kind == PING and length:
                     reason = "protocol error: PING with a payload"
                     break
-                if not self._admitted and kind not in (HELLO, BYE):
+                # The accepting side admits its dialer (the heartbeat thread sees it) before
+                # its HELLO reply goes out, so a PING can arrive first: an empty PING from an
+                # authenticated peer is harmless; the pre-HELLO deadline still holds.
+                if not self._admitted and kind not in (HELLO, BYE, PING):
                     reason = f"protocol error: {KIND_NAMES[kind]} before the handshake"
                     break
                 payload = self._recv_exact(length) if length else b""
@@ -208,32 +228,138 @@ class ControlConn:
         except OSError as e:
             reason = f"connection error: {e}"
         reason = self._fail_reason or reason
+        if self._slot is not None and self._slot.evicted:  # the server logged it (rate-bounded)
+            reason = "evicted: the connection limit was reached before this peer said HELLO"
         if not self._closed.is_set():
             self._closed.set()
             self._shut()
             if reason.startswith(("protocol error", "malformed", "authentication", "no handshake", "no auth",
                                   "peer does not", "peer's control", "peer echoed", "silent")):
-                logger.warning("control connection %s %s closed: %s", "to" if self.dialed else "from",
-                               self.remote, reason)
+                if self._slot is not None and not self._admitted:  # anyone can cause these: bounded
+                    self._slot.log_closed(self.remote, reason)
+                else:
+                    logger.warning("control connection %s %s closed: %s", "to" if self.dialed else "from",
+                                   self.remote, reason)
             self._on_lost(self, reason)
 
 
-class ControlServer:
-    """Accepts incoming control connections and hands each socket to `on_accept`, at most
-    `max_connections` alive at once (the rest are closed at accept, with a log line)."""
+class _Throttle:
+    """At most one warning per `every_s` for each key; the lines in between are counted and
+    the count goes out with the next one (a connection flood wrote 13,000 lines a second)."""
 
-    def __init__(self, host: str, on_accept: Callable[[socket.socket, Callable[[], None]], None], port: int = 0,
-                 max_connections: int = 256) -> None:
+    def __init__(self, every_s: float) -> None:
+        self._every = every_s
+        self._lock = threading.Lock()
+        self._next: dict[str, float] = {}
+        self._skipped: dict[str, int] = {}
+
+    def warn(self, key: str, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now < self._next.get(key, float("-inf")):
+                self._skipped[key] = self._skipped.get(key, 0) + 1
+                return
+            self._next[key] = now + self._every
+            skipped = self._skipped.pop(key, 0)
+        if skipped:
+            msg, args = msg + " (and %d more since the last such line)", (*args, skipped)
+        logger.warning(msg, *args)
+
+
+class Slot:
+    """One accepted connection's place under its server's bound, handed to `on_accept` with
+    the socket. The connection's owner calls admitted() once the peer has authenticated and
+    said HELLO (from then on no newcomer can take the place) and release() when it is closed
+    (once is enough; later calls do nothing). `evicted`: the server shut the socket down to
+    make room for a newcomer; the reader then ends and releases the slot as on any close."""
+
+    __slots__ = ("_server", "_sock", "evicted", "is_admitted", "released")
+
+    def __init__(self, server: ControlServer, sock: socket.socket) -> None:
+        self._server, self._sock = server, sock
+        self.evicted = self.is_admitted = self.released = False
+
+    def admitted(self) -> None:
+        self._server._admit(self)
+
+    def release(self) -> None:
+        self._server._release(self)
+
+    def log_closed(self, remote: str, reason: str) -> None:
+        """Log why a connection that was never admitted closed, rate-bounded per server:
+        anyone who can reach the port can make these as fast as they can connect."""
+        self._server._log.warn("closed", "control server %s: connection from %s closed: %s",
+                               self._server.address, remote, reason)
+
+    def _shut(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+
+
+class ControlServer:
+    """Accepts incoming control connections and hands each socket to `on_accept` with its
+    Slot, at most `max_connections` alive at once.
+
+    When every slot is taken, a newcomer evicts the oldest connection not yet admitted;
+    only when every slot holds an admitted peer is the newcomer closed at accept (counted
+    in `refused`; evictions in `evicted`). Admitted peers hold the secret and are never
+    pushed out. Why eviction: slots shared by every source let 300 connections that
+    never authenticate keep a real decoder from re-linking; it needs its slot only for its
+    handshake (a few round trips), and an attacker must now open `max_connections` newer
+    connections within that time to push it out. The warnings are rate-bounded
+    (`log_every_s`); the counters are exact."""
+
+    def __init__(self, host: str, on_accept: Callable[[socket.socket, Slot], None], port: int = 0,
+                 max_connections: int = 256, log_every_s: float = 5.0) -> None:
         try:
             self._sock = socket.create_server((host, port))
         except OSError as e:
             raise TransferError(f"cannot listen on {host}:{port}: {e}") from e
         self.address = f"{host}:{self._sock.getsockname()[1]}"
         self._on_accept = on_accept
-        self._slots = threading.BoundedSemaphore(max_connections)
-        self.refused = 0
+        self._max = max_connections
+        self._lock = threading.Lock()
+        self._waiting: dict[Slot, None] = {}  # not admitted nor evicted, oldest first
+        self._admitted = 0                    # admitted, not released
+        self.refused = self.evicted = 0
+        self._log = _Throttle(log_every_s)
         self._thread = NamedThread(target=self._loop, name="control-accept", daemon=True)
         self._thread.start()
+
+    def _take(self, sock: socket.socket) -> tuple[Slot | None, Slot | None]:
+        """A slot for a new connection (None: refused) and the one it evicts, if any. An
+        evicted slot stops counting at once: its reader releases it moments later."""
+        with self._lock:
+            victim = None
+            if self._admitted + len(self._waiting) >= self._max:
+                if not self._waiting:
+                    self.refused += 1
+                    return None, None
+                victim = next(iter(self._waiting))
+                del self._waiting[victim]
+                victim.evicted = True
+                self.evicted += 1
+            slot = Slot(self, sock)
+            self._waiting[slot] = None
+            return slot, victim
+
+    def _admit(self, slot: Slot) -> None:
+        with self._lock:
+            if slot.evicted or slot.released or slot.is_admitted:
+                return  # evicted first: its socket is already shut down
+            del self._waiting[slot]
+            slot.is_admitted = True
+            self._admitted += 1
+
+    def _release(self, slot: Slot) -> None:
+        with self._lock:
+            if slot.released:
+                return
+            slot.released = True
+            if slot.is_admitted:
+                self._admitted -= 1
+            else:
+                self._waiting.pop(slot, None)  # absent if evicted
 
     def _loop(self) -> None:
         while True:
@@ -241,17 +367,24 @@ class ControlServer:
                 sock, addr = self._sock.accept()
             except OSError:
                 return
-            if not self._slots.acquire(blocking=False):
-                self.refused += 1
-                logger.warning("control server %s: refused %s: connection limit reached", self.address, addr)
+            slot, victim = self._take(sock)
+            if victim is not None:
+                victim._shut()
+                self._log.warn("limit", "control server %s: connection limit (%d) reached: evicted the oldest "
+                               "connection not yet admitted (%d evicted, %d refused so far)",
+                               self.address, self._max, self.evicted, self.refused)
+            if slot is None:
                 sock.close()
+                self._log.warn("limit", "control server %s: refused %s: connection limit (%d) reached, every "
+                               "connection admitted (%d evicted, %d refused so far)",
+                               self.address, addr, self._max, self.evicted, self.refused)
                 continue
             try:
-                self._on_accept(sock, self._slots.release)
+                self._on_accept(sock, slot)
             except Exception:  # noqa: BLE001 - one bad socket must not stop accepting
                 logger.exception("control server %s: accepting %s failed", self.address, addr)
                 sock.close()
-                self._slots.release()
+                slot.release()
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

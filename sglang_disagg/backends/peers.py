@@ -174,13 +174,13 @@ class PeerTable:
             self._conn_peer.pop(peer._conn, None)
         self._detach(peer, state, reason)
 
-    def on_accept(self, sock: socket.socket, release: Callable[[], None]) -> None:
+    def on_accept(self, sock: socket.socket, slot: control.Slot) -> None:
         if self.closed:
             sock.close()
-            release()
+            slot.release()
             return
         control.ControlConn(sock, self._on_frame, self._on_conn_lost, secret=self._config.secret,
-                            handshake_timeout_s=self._config.handshake_timeout_s, on_closed=release).start()
+                            handshake_timeout_s=self._config.handshake_timeout_s, slot=slot).start()
 
     # ----- control connections' reader threads --------------------------------------
     def _admit(self, conn: control.ControlConn, hello: dict[str, Any]) -> Peer:

@@ -2,14 +2,16 @@
 
 A real backend listens; raw sockets play the attacker: random bytes, another protocol,
 truncated and oversized frames, wrong or missing secrets, frames before the handshake,
-malformed HELLO and NOTIFY, silence, too many connections, and a seeded fuzz of frames
-from an admitted peer. Each must close only that connection, promptly; afterwards an
+malformed HELLO and NOTIFY, silence, bytes trickled under the handshake deadline, too many
+connections (evicted oldest first while not admitted, refused once every slot is admitted,
+with a bounded number of log lines), and a seeded fuzz of frames from an admitted peer. Each must close only that connection, promptly; afterwards an
 honest peer with the secret still connects and its writes land byte-exact.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import random
 import socket
 import struct
@@ -21,6 +23,7 @@ import torch
 from sglang_disagg.backends import BackendConfig, TransferError, create_backend
 from sglang_disagg import shm
 from sglang_disagg.backends import auth, control
+from sglang_disagg.backends.regions import PeerState
 
 SECRET = b"s" * 32
 FRAME = struct.Struct("!IB")
@@ -29,7 +32,8 @@ BACKENDS = ["shmem", "libfabric"]
 
 def _config(**kw) -> BackendConfig:
     provider = kw.pop("provider", None)
-    return BackendConfig(provider=provider, secret=kw.pop("secret", SECRET), handshake_timeout_s=1.0, **kw)
+    kw.setdefault("handshake_timeout_s", 1.0)
+    return BackendConfig(provider=provider, secret=kw.pop("secret", SECRET), **kw)
 
 
 def _make(name: str, **kw):
@@ -71,10 +75,39 @@ def _frame(kind: int, payload: bytes) -> bytes:
     return FRAME.pack(len(payload), kind) + payload
 
 
-def _hello(be) -> dict:
+def _hello(be, instance: str = "f" * 32) -> dict:
     # The backend's own endpoint: a shmem peer must name memory the server can reach (its probe).
-    return {"v": 1, "backend": be.name, "provider": be.provider, "instance": "f" * 32,
+    return {"v": 1, "backend": be.name, "provider": be.provider, "instance": instance,
             "address": "127.0.0.1:9", "endpoint": be._endpoint_info()}
+
+
+def _admitted(be, instance: str = "f" * 32) -> socket.socket:
+    """A raw socket that authenticated and said HELLO: an admitted peer of `be`."""
+    sock = _raw(be)
+    sock.sendall(_frame(control.HELLO, json.dumps(_hello(be, instance)).encode()))
+    length, kind = FRAME.unpack(sock.recv(FRAME.size, socket.MSG_WAITALL))
+    assert kind == control.HELLO and "error" not in json.loads(sock.recv(length, socket.MSG_WAITALL))
+    return sock
+
+
+def _accepted(be) -> socket.socket:
+    """An unauthenticated socket that the server has accepted (its challenge arrived), so
+    sockets opened one after another take their slots in that order."""
+    sock = _raw(be, authenticate=False)
+    assert len(sock.recv(auth._CHALLENGE.size, socket.MSG_WAITALL)) == auth._CHALLENGE.size
+    return sock
+
+
+def _still_open(sock: socket.socket, wait_s: float = 0.1) -> bool:
+    sock.settimeout(wait_s)
+    try:
+        while sock.recv(4096):
+            pass
+    except socket.timeout:
+        return True
+    except ConnectionResetError:
+        pass
+    return False
 
 
 def assert_still_serves(be, name: str) -> None:
@@ -157,15 +190,132 @@ def test_a_silent_connection_is_dropped_at_the_handshake_timeout(server):
     assert_still_serves(server, server.name)
 
 
-def test_connections_beyond_the_bound_are_refused_at_accept():
-    with _make("shmem", max_connections=3) as be:
-        idle = [_raw(be, authenticate=False) for _ in range(3)]
-        extra = _raw(be, authenticate=False)
-        assert _closed_within(extra, 3.0) < 0.5  # refused at once, not at the handshake timeout
-        for s in idle:
-            s.close()
-        time.sleep(0.2)
+def _trickle(sock: socket.socket, data: bytes, start: float, every_s: float = 0.3, cap_s: float = 5.0) -> float:
+    """Send `data` one byte every `every_s` until the server closes `sock`; the seconds from
+    `start` to that close (AssertionError if it stays open `cap_s`)."""
+    sock.settimeout(every_s)
+    sent = 0
+    try:
+        while time.monotonic() - start < cap_s:
+            try:
+                if not sock.recv(4096):
+                    return time.monotonic() - start
+            except socket.timeout:
+                sock.send(data[sent % len(data):][:1])
+                sent += 1
+    except (ConnectionResetError, BrokenPipeError):
+        return time.monotonic() - start
+    finally:
+        sock.close()
+    raise AssertionError(f"a peer trickling one byte every {every_s} s ({sent} sent) held its connection {cap_s} s")
+
+
+def test_a_ping_before_the_hello_is_no_protocol_error_and_does_not_stretch_the_deadline(server):
+    """The accepting side admits its dialer before its HELLO reply leaves, so the dialer can see
+    the acceptor's heartbeat first (a CI run failed a conformance setup on "PING before the
+    handshake"). An authenticated peer's PINGs before its HELLO are ignored, and the pre-HELLO
+    deadline (1 s here) still closes the connection however many of them arrive."""
+    sock = _raw(server)
+    start = time.monotonic()
+    closed = None
+    while time.monotonic() - start < 3.0:
+        try:
+            sock.sendall(FRAME.pack(0, control.PING))
+        except OSError:
+            closed = time.monotonic() - start
+            break
+        if not _still_open(sock, 0.1):
+            closed = time.monotonic() - start
+            break
+    assert closed is not None and 0.7 < closed < 2.0, f"closed {closed} s after the handshake (deadline 1 s)"
+    assert_still_serves(server, server.name)
+
+
+@pytest.mark.parametrize("phase", ["challenge", "hello"])
+def test_a_peer_trickling_bytes_is_cut_at_the_handshake_deadline(phase):
+    """Each byte resets a timeout per recv(), never a deadline: the challenge (unauthenticated)
+    and the HELLO after it must both be done within handshake_timeout_s (1 s) of the accept."""
+    deadline = 1.0
+    with _make("shmem", handshake_timeout_s=deadline) as be:
+        start = time.monotonic()
+        if phase == "challenge":
+            sock, data = _raw(be, authenticate=False), auth._CHALLENGE.pack(auth._MAGIC, auth._VERSION, b"n" * 32)
+        else:
+            sock, data = _raw(be), _frame(control.HELLO, json.dumps(_hello(be)).encode())
+        took = _trickle(sock, data, start)
+        assert deadline - 0.1 < took < deadline + 0.5, f"{phase}: closed {took:.3f} s after connecting"
         assert_still_serves(be, "shmem")
+
+
+def test_a_full_server_evicts_the_oldest_unadmitted_connection_for_a_real_peer():
+    # A 30 s deadline: only eviction can make room within the test.
+    with _make("shmem", max_connections=8, handshake_timeout_s=30.0, peer_timeout_s=60.0) as be:
+        silent = [_accepted(be) for _ in range(8)]
+        with _make("shmem") as writer:
+            start = time.monotonic()
+            peer = writer.connect(be.address, 5)
+            took = time.monotonic() - start
+            assert took < 0.5, f"a real peer took {took:.3f} s to connect to a server full of silent sockets"
+            assert be._server.evicted == 1, be._server.evicted
+            assert _closed_within(silent[0], 1.0) < 0.5 and all(_still_open(s) for s in silent[1:])
+            newcomers = [_accepted(be) for _ in range(3)]  # evict silent[1..3], not the admitted peer
+            open_now = [i for i, s in enumerate(silent[1:], 1) if _still_open(s)]
+            assert open_now == [4, 5, 6, 7], f"still open after 3 more newcomers: {open_now}"
+            assert (be._server.evicted, be._server.refused) == (4, 0)
+            assert len(be.peers()) == 1 and _still_open(newcomers[-1]) and peer.state is PeerState.CONNECTED
+        for s in silent + newcomers:
+            s.close()
+
+
+def test_admitted_connections_are_never_evicted():
+    with _make("shmem", max_connections=3, peer_timeout_s=60.0) as be:
+        held = [_admitted(be, f"{i:032x}") for i in range(3)]
+        took = _closed_within(_raw(be, authenticate=False), 3.0)
+        assert took < 0.5, f"a newcomer to a server full of admitted peers was closed after {took:.3f} s"
+        assert (be._server.refused, be._server.evicted) == (1, 0)
+        assert all(_still_open(s) for s in held) and len(be.peers()) == 3
+        held[0].close()  # a freed slot takes a new peer again
+        deadline = time.monotonic() + 2.0
+        while len(be.peers()) > 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert_still_serves(be, "shmem")
+        for s in held[1:]:
+            s.close()
+
+
+@pytest.mark.parametrize("full_of", ["silent", "admitted"])
+def test_a_connection_flood_writes_a_handful_of_log_lines(caplog, full_of):
+    """1000 newcomers to a full server: each evicts the oldest silent socket, or is refused
+    when every slot is admitted. The counters are exact; the log gets a line per 5 s."""
+    n = 1000
+    caplog.set_level(logging.WARNING, logger="sglang_disagg")
+    with _make("shmem", max_connections=4, handshake_timeout_s=30.0, peer_timeout_s=60.0) as be:
+        held = [_accepted(be) if full_of == "silent" else _admitted(be, f"{i:032x}") for i in range(4)]
+        caplog.clear()
+        start = time.monotonic()
+        for _ in range(n):
+            if full_of == "silent":
+                held.append(_accepted(be))
+                _closed_within(held.pop(0), 2.0)  # the oldest was evicted for it
+            else:
+                _closed_within(_raw(be, authenticate=False), 2.0)
+        took = time.monotonic() - start
+        lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        counts = (be._server.evicted, be._server.refused)
+        assert counts == ((n, 0) if full_of == "silent" else (0, n)), f"(evicted, refused) = {counts}"
+        assert 1 <= len(lines) <= 3, f"{len(lines)} log lines for {n} connections in {took:.2f} s: {lines}"
+        for s in held:
+            s.close()
+
+
+def test_throttled_warnings_report_what_they_skipped(caplog):
+    caplog.set_level(logging.WARNING, logger="sglang_disagg")
+    throttle = control._Throttle(0.05)
+    for i in range(5):
+        throttle.warn("k", "line %d", i)
+    time.sleep(0.06)
+    throttle.warn("k", "line %d", 5)
+    assert [r.getMessage() for r in caplog.records] == ["line 0", "line 5 (and 4 more since the last such line)"]
 
 
 def test_admitted_peer_sending_bad_notify_or_fuzz_loses_only_its_connection():
@@ -173,26 +323,19 @@ def test_admitted_peer_sending_bad_notify_or_fuzz_loses_only_its_connection():
     counts, then 200 seeded random frames (each on a fresh admitted connection)."""
     rng = random.Random(9)
     with _make("shmem") as be:
-        def admitted() -> socket.socket:
-            sock = _raw(be)
-            sock.sendall(_frame(control.HELLO, json.dumps(_hello(be)).encode()))
-            length, kind = FRAME.unpack(sock.recv(FRAME.size, socket.MSG_WAITALL))
-            assert kind == control.HELLO and "error" not in json.loads(sock.recv(length, socket.MSG_WAITALL))
-            return sock
-
         bad = [{"tag": 1, "count": -5}, {"tag": 2**40, "count": 1}, {"tag": 1, "count": 2**30},
                {"tag": "1", "count": 1}, {"tag": 1}, [1, 2], {"tag": 1, "count": 1, "x": 0}]
         for note in bad:
-            sock = admitted()
+            sock = _admitted(be)
             sock.sendall(_frame(control.NOTIFY, json.dumps(note).encode()))
             assert _closed_within(sock, 3.0) < 2.0, note
         assert be._tracker.arrived(1) == 0
-        sock = admitted()
+        sock = _admitted(be)
         for i in range(200):
             kind = rng.choice([control.HELLO, control.NOTIFY, 0, 6, 255])
             sock.sendall(_frame(kind, rng.randbytes(rng.randrange(0, 64))))
             _closed_within(sock, 3.0)
-            sock = admitted()
+            sock = _admitted(be)
             assert len(be.peers()) <= 1, i
         sock.close()
         assert_still_serves(be, "shmem")
