@@ -4,8 +4,10 @@ Mapping onto the contract:
 - Mooncake's Python API is synchronous per batch, so each peer has its own worker thread:
   that peer's batches run in order and complete their future when the call returns, and a
   stalled peer (a decoder that stopped reading) holds up only its own batches.
-- immediates: the last sub-batch carries a TransferNotify ("sgd1 <tag> <count>"), which the
-  target reads from get_notifies() after the data; the poller credits the tag.
+- immediates: the last sub-batch carries a TransferNotify ("sgd2 <tag> <count> <mac>"), which
+  the target reads from get_notifies() after the data; the poller credits the tag. Anyone who
+  reaches the transport can send one, naming any session: one without the secret's MAC is
+  dropped and counted, and never fails the peer it names (messages.py).
 - limits: the TCP transport rejects batches over ~1024 entries ("lane queue-full"), so
   batches are split into sub-batches of at most MAX_ENTRIES entries / MAX_BYTES bytes.
 - failures: Mooncake returns bare integers (details go to its glog); they become
@@ -18,7 +20,6 @@ Mapping onto the contract:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.metadata
 import logging
@@ -29,7 +30,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .base import TransferBackend
-from .messages import ForgedNotification, notif_text, parse_notif
+from .messages import notif_text
 from .errors import BackendUnavailable, DescriptorError, TransferError, UnsupportedMemory
 from .peers import Peer
 from .regions import Memory, MemoryKind, NativeRegistration, PageWrite, RegionDescriptor
@@ -226,16 +227,6 @@ class MooncakeBackend(TransferBackend):
         # A synchronous Mooncake call cannot be interrupted; its result is ignored when it returns.
         self._inflight.pop(batch_id, None)
 
-    def _fail_peer(self, session: str, reason: str) -> None:
-        """A peer whose notifications cannot be read cannot be counted on: drop it, which
-        fails its batches and expectations now instead of at their deadlines."""
-        log.error("Mooncake: dropping peer session %s: %s", session, reason)
-        for peer in self.peers():
-            if peer.native == session:
-                self._lose_peer(peer, reason)
-                with contextlib.suppress(Exception):
-                    peer.close()
-
     def _kick(self) -> None:
         self._gate.kick()
 
@@ -247,19 +238,9 @@ class MooncakeBackend(TransferBackend):
             except Exception as e:  # noqa: BLE001 - the thread must outlive one bad call
                 log.warning("Mooncake get_notifies failed: %s", e)
                 notes = []
+            # A notification's session name (n.name) is the sender's to choose: nothing here uses it.
             for n in notes:
-                try:
-                    msg = n.msg
-                    if isinstance(msg, bytes):
-                        msg = msg.decode(errors="replace")
-                    parsed = parse_notif(str(msg), self.config.secret)
-                    if parsed is not None:
-                        self._tracker.add(*parsed)
-                        got = True
-                except ForgedNotification as e:
-                    self._forged(e)
-                except Exception as e:  # noqa: BLE001 - a malformed message costs its sender only
-                    self._fail_peer(str(getattr(n, "name", "")), f"unreadable Mooncake notification: {e}")
+                got |= self._on_notification(getattr(n, "msg", None))
             self._gate.after(got)
 
     def _native_stats(self) -> dict[str, int]:

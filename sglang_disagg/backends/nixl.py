@@ -2,7 +2,9 @@
 
 Mapping onto the contract:
 - immediates: NIXL has no counters; each batch is one NIXL transfer whose notification
-  ("sgd1 <tag> <count>", delivered after the data) credits `count` writes to `tag`.
+  ("sgd2 <tag> <count> <mac>", delivered after the data) credits `count` writes to `tag`.
+  UCX delivers notifications from anyone, under the agent name the sender chose: one without
+  the secret's MAC is dropped and counted, and never fails the peer it names (messages.py).
 - metadata: agent metadata travels in the hello and, refreshed after each registration,
   in every region descriptor, so regions registered after connecting are reachable.
 - failures: "ERR" states and NIXL exceptions become TransferError with NIXL's text;
@@ -21,13 +23,12 @@ import contextlib
 import logging
 import os
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from . import nixl_memory
 from .base import TransferBackend
-from .messages import ForgedNotification, notif_text, parse_notif
+from .messages import notif_text
 from .errors import BackendUnavailable, DescriptorError, PeerLostError, TransferError, UnsupportedMemory
 from .peers import Peer
 from .regions import Memory, NativeRegistration, PageWrite, RegionDescriptor
@@ -269,16 +270,6 @@ class NixlBackend(TransferBackend):
     def _has_work(self) -> bool:
         return bool(self._xfers or self._zombies) or self._tracker.pending()
 
-    def _fail_peer(self, agent: str, reason: str) -> None:
-        """A peer whose notifications cannot be read cannot be counted on: drop it, which
-        fails its batches and expectations now instead of at their deadlines."""
-        log.error("NIXL: dropping peer agent %s: %s", agent, reason)
-        for peer in self.peers():
-            if peer.native == agent:
-                self._lose_peer(peer, reason)
-                with contextlib.suppress(Exception):
-                    peer.close()
-
     def _poll_once(self) -> bool:
         busy = False
         try:
@@ -286,19 +277,10 @@ class NixlBackend(TransferBackend):
         except Exception as e:  # noqa: BLE001
             log.warning("NIXL get_new_notifs failed: %s", e)
             notifs = {}
-        for agent, msgs in notifs.items():
-            name = agent.decode(errors="replace") if isinstance(agent, bytes) else str(agent)
+        # The sender's agent name (the keys) is the sender's to choose: nothing here uses it.
+        for msgs in notifs.values():
             for m in msgs:
-                try:
-                    got = parse_notif(m if isinstance(m, bytes) else str(m), self.config.secret)
-                    if got is not None:
-                        self._tracker.add(*got)
-                        busy = True
-                except ForgedNotification as e:
-                    self._forged(e)
-                except Exception as e:  # noqa: BLE001 - a malformed message costs its sender only
-                    self._fail_peer(name, f"unreadable NIXL notification: {e}")
-                    break
+                busy |= self._on_notification(m)
         with self._xlock:
             items = list(self._xfers.items())
         for bid, (handle, _) in items:
