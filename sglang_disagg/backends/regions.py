@@ -8,10 +8,12 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, NamedTuple
 
+from .. import untrusted
 from .errors import DescriptorError
 
 DESCRIPTOR_VERSION = 1
 _U64 = 2**64
+MAX_DESCRIPTOR_BYTES = 16 << 20  # a descriptor travels inside one control message (its 16 MiB bound)
 
 
 class PeerState(enum.Enum):
@@ -83,10 +85,10 @@ class RegionDescriptor:
 
     @classmethod
     def from_bytes(cls, raw: bytes | bytearray | memoryview | str) -> RegionDescriptor:
-        try:
-            obj = json.loads(bytes(raw) if not isinstance(raw, str) else raw)
-        except (ValueError, TypeError) as e:
-            raise DescriptorError(f"region descriptor is not valid JSON: {e}") from e
+        try:  # a peer's: bounded before json reads it (untrusted.py)
+            obj = untrusted.loads(raw, MAX_DESCRIPTOR_BYTES)
+        except untrusted.MalformedJSON as e:
+            raise DescriptorError(f"unreadable region descriptor: {e}") from e
         if not isinstance(obj, dict):
             raise DescriptorError("region descriptor must be a JSON object")
         names = {f.name for f in fields(cls)}

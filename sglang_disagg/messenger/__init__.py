@@ -18,6 +18,7 @@ Module map:
 - ``compat``    what first contact compares (model fingerprint, KV geometry, layout)
 - ``kvpool``    binding: one rank's SGLang KV pool as registered (layer, K|V) regions
 - ``node``      one rank's endpoint: backend, regions, rank group, control reader, stats
+- ``reader``    the control reader thread: peers' messages decoded and dispatched; never dies on input
 - ``ranks``     keeping TP ranks in lockstep (agree() all-reduce; leader inputs)
 - ``inputs``    leader decisions carried by SGLang's request broadcast
 - ``links``     a decoder's links to prefill servers (first contact, health, load)

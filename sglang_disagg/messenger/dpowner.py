@@ -144,14 +144,18 @@ class Owner:
         while not self._stop.is_set():
             try:
                 call = chan.read()
+                if isinstance(call, gw.Call):
+                    if call.op == gw.Op.CONNECT.value:  # may take seconds: the group's other calls go on
+                        NamedThread(target=self._call, args=(chan, g, call), name="dp-owner-connect",
+                                    daemon=True).start()
+                    else:
+                        self._call(chan, g, call)
             except (EOFError, OSError, gw.GroupWireError) as e:
                 logger.error("messenger: DP group %d left: %s", g, e)
                 break
-            if isinstance(call, gw.Call):
-                if call.op == gw.Op.CONNECT.value:  # may take seconds: the group's other calls go on
-                    NamedThread(target=self._call, args=(chan, g, call), name="dp-owner-connect", daemon=True).start()
-                else:
-                    self._call(chan, g, call)
+            except Exception:  # noqa: BLE001 - this group's connection ends, the owner's other threads go on
+                logger.exception("messenger: DP group %d: dropped its connection to the owner", g)
+                break
         with self._lock:
             if self._conns.get(g) is chan:
                 del self._conns[g]

@@ -198,30 +198,38 @@ class ProxyBackend:
     def _read(self) -> None:
         while True:
             try:
-                msg = self._chan.read()
+                self._take(self._chan.read())
             except (EOFError, OSError, gw.GroupWireError) as e:
                 self._fail_all(f"the server's messenger owner (DP group 0) is gone: {e}")
                 return
-            if isinstance(msg, gw.Reply):
-                with self._lock:
-                    waiting = self._calls.pop(msg.id, None)
-                if waiting is not None:
-                    waiting[1].append(msg)
-                    waiting[0].set()
-            elif isinstance(msg, gw.Done):
-                with self._lock:
-                    fut = self._futures.pop(msg.future, None)
-                if fut is not None:
-                    if msg.error:
-                        fut.set_exception(_error(msg.error_type, msg.error))
-                    else:
-                        fut.set_result(None)
-            elif isinstance(msg, gw.Delivery):
-                self._inbox.put((self._peer(msg.peer, msg.instance, msg.address), msg.data.encode()))
-            elif isinstance(msg, gw.PeerState):
-                peer = self._peers.get(msg.peer)
-                if peer is not None:
-                    peer.state = PeerState(msg.state)
+            except Exception as e:  # noqa: BLE001 - never a silent death: the group fails what it holds
+                logger.exception("messenger: DP group %d: a message from the owner failed", self.group)
+                self._fail_all(f"the server's messenger owner (DP group 0) sent what this group cannot take: "
+                               f"{type(e).__name__}: {e}")
+                self._chan.close()
+                return
+
+    def _take(self, msg: gw.Message) -> None:
+        if isinstance(msg, gw.Reply):
+            with self._lock:
+                waiting = self._calls.pop(msg.id, None)
+            if waiting is not None:
+                waiting[1].append(msg)
+                waiting[0].set()
+        elif isinstance(msg, gw.Done):
+            with self._lock:
+                fut = self._futures.pop(msg.future, None)
+            if fut is not None:
+                if msg.error:
+                    fut.set_exception(_error(msg.error_type, msg.error))
+                else:
+                    fut.set_result(None)
+        elif isinstance(msg, gw.Delivery):
+            self._inbox.put((self._peer(msg.peer, msg.instance, msg.address), msg.data.encode()))
+        elif isinstance(msg, gw.PeerState):
+            peer = self._peers.get(msg.peer)
+            if peer is not None:
+                peer.state = PeerState(msg.state)
 
     def _fail_all(self, why: str) -> None:
         with self._lock:

@@ -20,18 +20,23 @@ from __future__ import annotations
 
 import enum
 import json
+import reprlib
 import socket
 import struct
 import threading
+from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any, ClassVar
+
+from .. import untrusted
+from ..backends import regions
 
 GROUP_WIRE_VERSION = 1
 MAX_FRAME = 64 << 20  # a Delivery carries a control message: the longest order (1 Mi tokens) fits
 
 
 class GroupWireError(ValueError):
-    pass
+    """A group-channel message that is not what this build sends: the connection is dropped."""
 
 
 class Op(enum.Enum):
@@ -120,22 +125,47 @@ def encode(msg: Message) -> bytes:
 
 
 def decode(raw: bytes) -> Message:
+    """The message in `raw`: anything wrong with it (JSON, nesting, version, type, a field's
+    name, type or value) raises GroupWireError."""
     try:
-        obj = json.loads(raw)
-    except ValueError as e:
-        raise GroupWireError(f"not JSON: {e}") from None
+        obj = untrusted.loads(raw, MAX_FRAME)
+    except untrusted.MalformedJSON as e:
+        raise GroupWireError(f"unreadable message: {e}") from None
     if not isinstance(obj, dict) or obj.get("v") != GROUP_WIRE_VERSION:
-        raise GroupWireError(f"group wire version {obj.get('v') if isinstance(obj, dict) else '?'!r}, "
+        raise GroupWireError(f"group wire version {reprlib.repr(obj.get('v')) if isinstance(obj, dict) else '?'}, "
                              f"this build speaks {GROUP_WIRE_VERSION}")
-    cls = MESSAGES.get(obj.pop("type", None))
+    kind = obj.pop("type", None)
     obj.pop("v")
+    cls = MESSAGES.get(kind) if isinstance(kind, str) else None
     if cls is None:
-        raise GroupWireError("unknown message type")
-    names = {f.name for f in fields(cls)}
-    required = {f.name for f in fields(cls) if f.default is MISSING}
-    if not set(obj) <= names or not required <= set(obj):
-        raise GroupWireError(f"{cls.TYPE}: fields {sorted(obj)}, expected {sorted(names)}")
+        raise GroupWireError(f"unknown message type {reprlib.repr(kind)}")
+    hints, required = _FIELDS[cls]
+    if not set(obj) <= hints.keys() or not required <= set(obj):
+        raise GroupWireError(f"{cls.TYPE}: fields {reprlib.repr(sorted(obj))}, expected {sorted(hints)}")
+    for name, v in obj.items():
+        if not _TYPES[hints[name]](v):
+            raise GroupWireError(f"{cls.TYPE}.{name}: expected {hints[name]}, got {reprlib.repr(v)}")
+        choices = _CHOICES.get((cls.TYPE, name))
+        if choices is not None and v not in choices:
+            raise GroupWireError(f"{cls.TYPE}.{name}: {reprlib.repr(v)} is not one of {sorted(choices)}")
     return cls(**obj)
+
+
+# A field's type as written in its class (this module's annotations are strings) -> the check.
+_TYPES: dict[str, Callable[[Any], bool]] = {
+    "int": lambda v: type(v) is int and 0 <= v < 1 << 63,
+    "str": lambda v: isinstance(v, str),
+    "dict": lambda v: isinstance(v, dict),
+    "Any": lambda v: True,
+}
+# Fields whose value must be one of a few words (read back as an enum by the other end).
+_CHOICES: dict[tuple[str, str], frozenset[str]] = {
+    ("call", "op"): frozenset(o.value for o in Op),
+    ("peer_state", "state"): frozenset(s.value for s in regions.PeerState),
+}
+# Each message's fields: name -> type as written, and the names without a default.
+_FIELDS = {cls: ({f.name: f.type for f in fields(cls)}, {f.name for f in fields(cls) if f.default is MISSING})
+           for cls in MESSAGES.values()}
 
 
 class Channel:

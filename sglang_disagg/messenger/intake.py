@@ -103,6 +103,10 @@ class Intake:
             return f"page id {max(o.dst_pages)} outside the decoder's {self._capacity[key]} pages"
         if max(o.token_ids) >= self.vocab:
             return f"token id {max(o.token_ids)} outside the model's vocabulary of {self.vocab}"
+        # The prompt's last token: a speculative draft's forward embeds it (prefill.py), so an id
+        # past the vocabulary would index past the embedding.
+        if type(o.last_token) is not int or not 0 <= o.last_token < self.vocab:
+            return f"last token {o.last_token!r} outside the model's vocabulary of {self.vocab}"
         return ""
 
     def drain(self, open_tags: Callable[[str], Iterable[int]]) -> list[MessengerInput]:

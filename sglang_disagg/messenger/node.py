@@ -3,7 +3,6 @@ rank group, and (on the leader) the thread that reads control messages."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
@@ -13,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..backends import BackendConfig, DeadlineExceeded, auth, create_backend
+from ..backends import BackendConfig, auth, create_backend
 from ..backends.base import TransferBackend
 from ..backends.regions import HOST, cuda
 from .. import cumem, handover, shm
@@ -25,8 +24,8 @@ from .dpproxy import ProxyBackend
 from .kvpool import KVPoolView
 from .metrics import MessengerMetrics
 from .ranks import RankGroup
+from .reader import ControlReader
 from .wakeup import Wakeup
-from ..threads import Thread as NamedThread
 
 logger = logging.getLogger("sglang_disagg.messenger")
 
@@ -110,7 +109,7 @@ class Node:
         self.metrics = MessengerMetrics(cfg.role.value, cfg.host,
                                         cfg.metrics_port if self.ranks.is_leader and self.group == 0 else 0)
         self._stop = threading.Event()
-        self._reader: threading.Thread | None = None
+        self._reader: ControlReader | None = None
         self._owner_lost_at = 0.0
         if self.backend is not None:
             logger.info("messenger %s: %s/%s on %s drives the KV of %d rank(s), %d regions each (%s, page %d)%s",
@@ -149,50 +148,16 @@ class Node:
 
     def start_reader(self, handle: Callable[[Any, wire.Message], None]) -> None:
         """Leader only: read control messages from peers and hand decoded ones to `handle`
-        (a DP server's owner hands each to the group it is for, dpowner.py)."""
-        if self.owner is not None:
+        (a DP server's owner hands each to the group it is for, dpowner.py). One peer's bad
+        message costs at most that peer's connection, never the thread (reader.py)."""
+        if self.owner is not None:  # a DP server's owner: every group's messages arrive here
             self.owner.local = handle
-        def loop() -> None:
-            while not self._stop.is_set():
-                try:
-                    peer, raw = self.backend.recv(0.5)
-                except DeadlineExceeded:
-                    continue
-                except Exception:  # noqa: BLE001 - closed backend
-                    return
-                try:
-                    msg = wire.decode(raw)
-                except wire.WireError as e:
-                    logger.warning("messenger: bad control message from %s: %s", peer.address, e)
-                    msg = self._across_versions(peer, raw, e)
-                    if msg is None:
-                        continue
-                try:
-                    if self.owner is not None:  # a DP server's owner: every group's messages arrive here
-                        self.owner.dispatch(peer, raw, msg)
-                    else:
-                        handle(peer, msg)
-                except Exception:  # noqa: BLE001 - one bad message must not stop the reader
-                    logger.exception("messenger: handling %s from %s failed", type(msg).__name__, peer.address)
-        self._reader = NamedThread(target=loop, name="messenger-control", daemon=True)
+            dispatch = self.owner.dispatch
+        else:
+            def dispatch(peer: Any, raw: bytes, msg: wire.Message) -> None:
+                handle(peer, msg)
+        self._reader = ControlReader(self.backend, dispatch, self.name, self._stop)
         self._reader.start()
-
-    def _across_versions(self, peer: Any, raw: bytes, error: wire.WireError) -> wire.Message | None:
-        """First contact between builds of different wire versions still ends in a clear
-        refusal on both sides: a Hello we cannot read is refused with the reason, and a
-        Refuse we cannot read is still a refusal (its reason is plain text in any version)."""
-        try:
-            obj = json.loads(raw)
-        except ValueError:
-            return None
-        if not isinstance(obj, dict):
-            return None
-        if obj.get("type") == wire.Hello.TYPE:
-            with contextlib.suppress(Exception):
-                peer.send(wire.encode(wire.Refuse(prefill=self.name, reason=str(error))))
-        elif obj.get("type") == wire.Refuse.TYPE and isinstance(obj.get("reason"), str):
-            return wire.Refuse(prefill=str(obj.get("prefill", "?"))[:200], reason=obj["reason"][:2000])
-        return None
 
     def wakeup_fd(self) -> int | None:
         """What the leader's scheduler polls for messenger events; None on other ranks."""

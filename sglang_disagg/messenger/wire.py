@@ -25,13 +25,48 @@ from __future__ import annotations
 import enum
 import functools
 import json
+import reprlib
 import typing
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
+from .. import untrusted
+
 WIRE_VERSION = 6  # 2: OrderFailed.blame; 3: KVSpec.draft/draft_layers, PrefillOrder.last_token;
 # 4: KVSpec.draft_hidden_size; 5: KVSpec.kv_lora_rank/rope_dim/replicated (MLA); 6: Hello.group (DP)
-MAX_TOKENS = 1 << 20
+
+# Bounds on what a peer's message may claim. A server builds lists, plans and loops from these
+# counts (compat.py: list(range(tp)); the planner: one entry per rank, layer and page), so each
+# is far above any real deployment yet low enough that what is built from it stays cheap; a
+# message past one is malformed, refused naming the field. The message's size bounds the rest.
+MAX_MESSAGE_BYTES = 16 << 20  # backends.control.MAX_FRAME: no control message is longer
+MAX_TP = 1024                 # TP ranks of one server (largest real: 64)
+MAX_DP_GROUPS = 1024          # DP groups of one server
+MAX_LAYERS = 4096             # layers of a KV pool, target or draft (largest real: ~130)
+MAX_KV_HEADS = 1 << 16
+MAX_HEAD_DIM = 1 << 16        # head_dim, v_head_dim, kv_lora_rank, rope_dim (largest real: 576)
+MAX_HIDDEN = 1 << 20          # a draft's hidden size (largest real: ~16 Ki)
+MAX_PAGE_SIZE = 1 << 16       # tokens per KV page (SGLang: 1 to 256)
+MAX_REGIONS = 4 * MAX_LAYERS  # KV regions of one rank: (target + draft layers) x 2 kinds
+MAX_TOKENS = 1 << 20          # tokens of one order
+MAX_PAGES = MAX_TOKENS        # pages of one order: a page holds at least one token
+MAX_TOKEN_ID = (1 << 31) - 1  # SGLang holds token ids as int32 (the intake checks the model's vocabulary)
+MAX_TEXT = 64 << 10           # characters of a name, address or reason (descriptors: the message's bound)
+MAX_INT = (1 << 63) - 1       # any other integer (ids, tags: each is checked where it is used)
+
+# "Class.field" -> its largest value (integers), most items (lists) or characters (strings).
+_MOST: dict[str, int] = {
+    "KVSpec.num_layers": MAX_LAYERS, "KVSpec.draft_layers": MAX_LAYERS, "KVSpec.kv_heads": MAX_KV_HEADS,
+    "KVSpec.head_dim": MAX_HEAD_DIM, "KVSpec.v_head_dim": MAX_HEAD_DIM, "KVSpec.kv_lora_rank": MAX_HEAD_DIM,
+    "KVSpec.rope_dim": MAX_HEAD_DIM, "KVSpec.draft_hidden_size": MAX_HIDDEN, "KVSpec.page_size": MAX_PAGE_SIZE,
+    "KVSpec.tp": MAX_TP,
+    "RankEndpoint.rank": MAX_TP - 1, "RankEndpoint.regions": MAX_REGIONS,
+    "Hello.ranks": MAX_TP, "Hello.group": MAX_DP_GROUPS - 1, "Welcome.ranks": MAX_TP,
+    "PrefillOrder.token_ids": MAX_TOKENS, "PrefillOrder.dst_pages": MAX_PAGES, "PrefillOrder.start_page": MAX_PAGES,
+    "PrefillOrder.last_token": MAX_TOKEN_ID,
+}
+# "Class.field" of a list -> the bound of each of its items.
+_ITEM_MOST: dict[str, int] = {"PrefillOrder.token_ids": MAX_TOKEN_ID, "RankEndpoint.regions": MAX_MESSAGE_BYTES}
 
 
 class WireError(ValueError):
@@ -171,18 +206,26 @@ def encode(msg: Message) -> bytes:
 
 
 def decode(raw: bytes | str) -> Message:
+    """The message in `raw`, from a peer: anything wrong with it raises WireError, whatever
+    the bytes (untrusted.py bounds size and nesting before json parses them)."""
     try:
-        obj = json.loads(raw)
-    except (ValueError, TypeError, UnicodeDecodeError) as e:
-        raise WireError(f"message is not valid JSON: {e}") from None
+        obj = untrusted.loads(raw, MAX_MESSAGE_BYTES)
+    except untrusted.MalformedJSON as e:
+        raise WireError(f"unreadable message: {e}") from None
     if not isinstance(obj, dict):
         raise WireError("message must be a JSON object")
     if obj.get("v") != WIRE_VERSION:
-        raise WireError(f"wire version {obj.get('v')!r}, this build speaks {WIRE_VERSION}")
-    cls = MESSAGES.get(obj.get("type"))  # type: ignore[arg-type]
+        raise WireError(f"wire version {reprlib.repr(obj.get('v'))}, this build speaks {WIRE_VERSION}")
+    kind = obj.get("type")
+    cls = MESSAGES.get(kind) if isinstance(kind, str) else None
     if cls is None:
-        raise WireError(f"unknown message type {obj.get('type')!r}; known: {', '.join(MESSAGES)}")
-    return _from_json(cls, {k: v for k, v in obj.items() if k not in ("type", "v")}, cls.TYPE)
+        raise WireError(f"unknown message type {reprlib.repr(kind)}; known: {', '.join(MESSAGES)}")
+    try:
+        return _from_json(cls, {k: v for k, v in obj.items() if k not in ("type", "v")}, cls.TYPE)
+    except WireError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a check this module lacks: still the peer's bad message
+        raise WireError(f"{cls.TYPE}: cannot be read ({type(e).__name__}: {e})") from e
 
 
 def _to_json(obj: Any) -> Any:
@@ -201,9 +244,9 @@ def _from_json(cls: type, obj: Any, where: str) -> Any:
     names = [f.name for f in fields(cls)]
     if set(obj) != set(names):
         missing, extra = sorted(set(names) - set(obj)), sorted(set(obj) - set(names))
-        raise WireError(f"{where}: fields differ (missing {missing}, unexpected {extra})")
+        raise WireError(f"{where}: fields differ (missing {missing}, unexpected {reprlib.repr(extra)})")
     hints = _hints(cls)
-    return cls(**{n: _value(hints[n], obj[n], f"{where}.{n}") for n in names})
+    return cls(**{n: _value(hints[n], obj[n], f"{where}.{n}", f"{cls.__name__}.{n}") for n in names})
 
 
 @functools.cache
@@ -211,34 +254,41 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _value(hint: Any, v: Any, where: str) -> Any:
+def _value(hint: Any, v: Any, where: str, field: str = "", item: bool = False) -> Any:
+    """`v` as `hint`, within the bound of `field` ("Class.field"; `item`: of one of its items)."""
+    most = (_ITEM_MOST if item else _MOST).get(field)
     origin = typing.get_origin(hint)
     if origin is tuple:
-        item = typing.get_args(hint)[0]
+        item_hint = typing.get_args(hint)[0]
+        limit = MAX_TOKENS if most is None else most
         if not isinstance(v, list):
             raise WireError(f"{where}: expected a list")
-        if len(v) > MAX_TOKENS:
-            raise WireError(f"{where}: {len(v)} items exceed {MAX_TOKENS}")
-        if item is int and all(type(x) is int and 0 <= x < 2**63 for x in v):
+        if len(v) > limit:
+            raise WireError(f"{where}: {len(v)} items exceed {limit}")
+        top = _ITEM_MOST.get(field, MAX_INT)
+        if item_hint is int and all(type(x) is int and 0 <= x <= top for x in v):
             return tuple(v)  # the common case (token ids, page ids) without a call per item
-        return tuple(_value(item, x, f"{where}[{i}]") for i, x in enumerate(v))
+        return tuple(_value(item_hint, x, f"{where}[{i}]", field, True) for i, x in enumerate(v))
     if hint is int:
-        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**63:
-            raise WireError(f"{where}: expected a non-negative integer, got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_INT:
+            raise WireError(f"{where}: expected a non-negative integer, got {reprlib.repr(v)}")
+        if most is not None and v > most:
+            raise WireError(f"{where}: {v} exceeds {most}")
         return v
     if hint is bool:
         if not isinstance(v, bool):
-            raise WireError(f"{where}: expected true or false, got {v!r}")
+            raise WireError(f"{where}: expected true or false, got {reprlib.repr(v)}")
         return v
     if hint is str:
         if not isinstance(v, str):
             raise WireError(f"{where}: expected a string, got {type(v).__name__}")
+        if len(v) > (MAX_TEXT if most is None else most):
+            raise WireError(f"{where}: {len(v)} characters exceed {MAX_TEXT if most is None else most}")
         return v
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
-        try:
-            return hint(v)
-        except ValueError:
-            raise WireError(f"{where}: {v!r} is not one of {[m.value for m in hint]}") from None
+        if not isinstance(v, str) or v not in {m.value for m in hint}:
+            raise WireError(f"{where}: {reprlib.repr(v)} is not one of {[m.value for m in hint]}")
+        return hint(v)
     if hasattr(hint, "__dataclass_fields__"):
         return _from_json(hint, v, where)
     raise TypeError(f"{where}: unsupported field type {hint!r}")  # a bug in this module

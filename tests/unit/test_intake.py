@@ -31,8 +31,9 @@ def intake_with(key: str = "d1", capacity: int = 64) -> tuple[Intake, FakePeer]:
     return intake, peer
 
 
-def order(tokens=tuple(range(1, 33)), pages=(0, 1), start_page=0, tag=7) -> wire.PrefillOrder:
-    return wire.PrefillOrder(rid="r", tag=tag, token_ids=tuple(tokens), dst_pages=tuple(pages), start_page=start_page)
+def order(tokens=tuple(range(1, 33)), pages=(0, 1), start_page=0, tag=7, last_token=0) -> wire.PrefillOrder:
+    return wire.PrefillOrder(rid="r", tag=tag, token_ids=tuple(tokens), dst_pages=tuple(pages), start_page=start_page,
+                             last_token=last_token)
 
 
 @pytest.mark.parametrize("o,reason", [
@@ -42,6 +43,12 @@ def order(tokens=tuple(range(1, 33)), pages=(0, 1), start_page=0, tag=7) -> wire
     (order(tag=1 << 32), "does not fit 32 bits"),
     (order(pages=(0, 64)), "outside the decoder's 64 pages"),
     (order(tokens=(1,) * 31 + (4096,)), "outside the model's vocabulary"),
+    (order(last_token=4096), "last token 4096 outside the model's vocabulary of 4096"),
+    (order(last_token=(1 << 31) - 1), "last token 2147483647 outside"),
+    (order(last_token=-1), "last token -1 outside"),
+    (order(last_token="5"), "last token '5' outside"),
+    (order(last_token=True), "last token True outside"),
+    (order(last_token=5.0), "last token 5.0 outside"),
 ])
 def test_a_bad_order_is_refused_at_once_with_the_reason(o, reason):
     intake, peer = intake_with()
@@ -49,6 +56,12 @@ def test_a_bad_order_is_refused_at_once_with_the_reason(o, reason):
     intake.on_message(peer, o)
     assert [type(m) for m in peer.sent] == [wire.OrderFailed] and reason in peer.sent[0].reason
     assert intake.drain(lambda key: []) == []
+
+
+def test_the_last_token_may_be_any_id_of_the_vocabulary():
+    intake, _ = intake_with()
+    for last in (0, 1, 4095):
+        assert intake.check_order("d1", order(last_token=last)) == ""
 
 
 def test_an_order_before_hello_is_refused():

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import pickle
+import random
+import time
 
 import pytest
 
@@ -33,7 +35,8 @@ def test_every_message_round_trips_with_named_fields(msg):
 
 
 @pytest.mark.parametrize("raw, error", [
-    (b"\xff\xfe", "not valid JSON"),
+    (b"\xff\xfe", "unreadable message: not UTF-8"),
+    (b"{", "unreadable message: not valid JSON"),
     (b"[1, 2]", "JSON object"),
     (b'{"type": "cancel", "v": 99, "rid": "r", "tag": 1}', "wire version 99"),
     (b'{"type": "teleport", "v": 6}', "unknown message type"),
@@ -139,3 +142,141 @@ def test_fault_specs():
     for bad in ("melt_kv", "zero_kv:pages=middle", "zero_kv:kinds=q", "zero_kv:colour=red", "zero_kv:pages=mid:2"):
         with pytest.raises(ValueError):
             Fault.parse(bad)
+
+
+# ----- hostile input: every decode failure is a WireError, counts bounded --------------------
+MESSAGES = [HELLO, ORDER, wire.Welcome(prefill="prefill", kv=KV, ranks=(wire.RankEndpoint(0, "h:1", "i", ()),)),
+            wire.Refuse(prefill="p", reason="r"), wire.OrderFailed(rid="r", tag=1, reason="x", blame=wire.Blame.ORDER),
+            wire.Cancel(rid="r", tag=1), wire.Released(rid="r", tag=1)]
+DEEP = 10_000
+
+
+def _paths(obj, path=()):
+    """Every value's path in a decoded JSON message (dict keys and list indexes)."""
+    yield path
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for k, v in items:
+        yield from _paths(v, (*path, k))
+
+
+def _with(obj, path, value):
+    obj = json.loads(json.dumps(obj))
+    if not path:
+        return value
+    at = obj
+    for k in path[:-1]:
+        at = at[k]
+    at[path[-1]] = value
+    return obj
+
+
+def test_the_message_list_covers_every_type():
+    assert {m.TYPE for m in MESSAGES} == set(wire.MESSAGES)
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: m.TYPE)
+def test_deep_nesting_in_any_field_of_any_message_is_a_wire_error_and_fast(msg):
+    base = json.loads(wire.encode(msg))
+    deep = [json.dumps(_with(base, path, "@")).replace('"@"', "[" * DEEP + "]" * DEEP) for path in _paths(base)]
+    deep += [json.dumps(_with(base, path, "@")).replace('"@"', '{"a":' * DEEP + "0" + "}" * DEEP)
+             for path in _paths(base)]
+    t = time.monotonic()
+    for raw in deep:
+        for form in (raw, raw.encode()):
+            with pytest.raises(wire.WireError, match="nest deeper than 32"):
+                wire.decode(form)
+    assert time.monotonic() - t < 0.02 * len(deep) + 1.0
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: m.TYPE)
+def test_any_value_of_the_wrong_type_anywhere_is_a_wire_error(msg):
+    base = json.loads(wire.encode(msg))
+    weird = [None, True, -1, 1.5, 2**64, "x" * 3, [], {}, [[1]], {"a": {}}, "order", 10**9]
+    for path in _paths(base):
+        for v in weird:
+            raw = json.dumps(_with(base, path, v))
+            try:
+                wire.decode(raw)
+            except wire.WireError:
+                pass  # anything else escapes and fails the test
+
+
+def test_random_mutations_raise_nothing_but_wire_error():
+    rng = random.Random(7)
+    for msg in MESSAGES:
+        raw = bytearray(wire.encode(msg))
+        for _ in range(300):
+            b = bytearray(raw)
+            for _ in range(rng.randint(1, 4)):
+                i = rng.randrange(len(b))
+                b[i:i + rng.randint(0, 3)] = bytes(rng.choice(b'[]{}",:0123456789-eE.\\tnul') for _ in range(rng.randint(0, 3)))
+            try:
+                wire.decode(bytes(b))
+            except wire.WireError:
+                pass
+
+
+def _hello_with(**kv):
+    obj = json.loads(wire.encode(HELLO))
+    obj["kv"].update(kv)
+    return json.dumps(obj)
+
+
+@pytest.mark.parametrize("raw, field", [
+    (_hello_with(tp=10**9), r"hello.kv.tp: 1000000000 exceeds 1024"),
+    (_hello_with(num_layers=10**6), "hello.kv.num_layers"),
+    (_hello_with(draft_layers=wire.MAX_LAYERS + 1), "hello.kv.draft_layers"),
+    (_hello_with(kv_heads=1 << 20), "hello.kv.kv_heads"),
+    (_hello_with(head_dim=1 << 20), "hello.kv.head_dim"),
+    (_hello_with(page_size=1 << 20), "hello.kv.page_size"),
+    (_hello_with(draft_hidden_size=1 << 30), "hello.kv.draft_hidden_size"),
+    (_hello_with(model="m" * (wire.MAX_TEXT + 1)), "hello.kv.model: 65537 characters"),
+    (json.dumps(json.loads(wire.encode(HELLO)) | {"group": 10**6}), "hello.group"),
+    (json.dumps(json.loads(wire.encode(HELLO)) | {"ranks": [{"rank": 0, "address": "a", "instance": "i", "regions": []}]
+                                                            * (wire.MAX_TP + 1)}), r"hello.ranks: 1025 items exceed 1024"),
+    (json.dumps(json.loads(wire.encode(HELLO)) | {"ranks": [{"rank": 5000, "address": "a", "instance": "i",
+                                                             "regions": []}]}), r"hello.ranks\[0\].rank"),
+    (json.dumps(json.loads(wire.encode(HELLO)) | {"ranks": [{"rank": 0, "address": "a", "instance": "i",
+                                                             "regions": ["d"] * (wire.MAX_REGIONS + 1)}]}),
+     r"hello.ranks\[0\].regions: 16385 items"),
+    (json.dumps(json.loads(wire.encode(wire.Welcome(prefill="p", kv=KV, ranks=()))) | {
+        "kv": json.loads(wire.encode(HELLO))["kv"] | {"tp": 10**9}}), "welcome.kv.tp"),
+    (json.dumps(json.loads(wire.encode(ORDER)) | {"dst_pages": [0] * (wire.MAX_PAGES + 1)}),
+     r"prefill.dst_pages: 1048577 items exceed 1048576"),
+    (json.dumps(json.loads(wire.encode(ORDER)) | {"token_ids": [1] * (wire.MAX_TOKENS + 1)}), "prefill.token_ids: "),
+    (json.dumps(json.loads(wire.encode(ORDER)) | {"token_ids": [1, 1 << 31]}), r"prefill.token_ids\[1\]: 2147483648"),
+    (json.dumps(json.loads(wire.encode(ORDER)) | {"start_page": 10**7}), "prefill.start_page"),
+    (json.dumps(json.loads(wire.encode(ORDER)) | {"last_token": 1 << 31}), "prefill.last_token: 2147483648 exceeds"),
+    (json.dumps(json.loads(wire.encode(ORDER)) | {"last_token": "5"}), "prefill.last_token: expected a non-negative"),
+    (json.dumps(json.loads(wire.encode(ORDER)) | {"last_token": -1}), "prefill.last_token: expected a non-negative"),
+    (json.dumps(json.loads(wire.encode(ORDER)) | {"last_token": 5.0}), "prefill.last_token: expected a non-negative"),
+    (json.dumps(json.loads(wire.encode(ORDER)) | {"last_token": False}), "prefill.last_token: expected a non-negative"),
+])
+def test_counts_past_their_bound_are_refused_naming_the_field(raw, field):
+    t = time.monotonic()
+    with pytest.raises(wire.WireError, match=field):
+        wire.decode(raw)
+    assert time.monotonic() - t < 2.0
+
+
+def test_ten_million_pages_are_refused_before_they_are_parsed():
+    raw = b'{"type":"prefill","v":6,"rid":"r","tag":1,"token_ids":[1],"start_page":0,"last_token":0,"dst_pages":[' + \
+        b"0," * 10**7 + b"0]}"
+    t = time.monotonic()
+    with pytest.raises(wire.WireError, match=f"exceed {wire.MAX_MESSAGE_BYTES}"):
+        wire.decode(raw)
+    assert time.monotonic() - t < 1.0
+
+
+def test_the_bounds_name_real_fields_and_fit_the_control_frame():
+    from sglang_disagg.backends import control
+
+    assert wire.MAX_MESSAGE_BYTES == control.MAX_FRAME
+    for key in list(wire._MOST) + list(wire._ITEM_MOST):
+        cls, _, name = key.partition(".")
+        assert name in getattr(wire, cls).__dataclass_fields__, key
+    # the largest order the bounds allow fits one message
+    big = wire.PrefillOrder(rid="r" * 64, tag=(1 << 32) - 1, token_ids=(wire.MAX_TOKEN_ID,) * wire.MAX_TOKENS,
+                            dst_pages=(10**8,) * (wire.MAX_TOKENS // 16), start_page=0, last_token=wire.MAX_TOKEN_ID)
+    assert len(wire.encode(big)) < wire.MAX_MESSAGE_BYTES
+    assert wire.decode(wire.encode(big)) == big
