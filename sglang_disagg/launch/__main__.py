@@ -245,8 +245,8 @@ def keys_lines(stack: Stack) -> list[str]:
         return [f"HTTP keys: none; every HTTP port is bound to {stack.cfg.host} (loopback), reachable from this "
                 "machine only"]
     d = stack.log_dir
-    return [f"HTTP keys: on (HTTP ports of this deployment reach beyond this machine); clients send "
-            f"'Authorization: Bearer <API key>'",
+    return ["HTTP keys: on (HTTP ports of this deployment reach beyond this machine); clients send "
+            "'Authorization: Bearer <API key>'",
             f"  API key: {d / keys.API_KEY_FILE} (this project's clients read {keys.API_KEY_ENV}; OpenAI SDKs "
             f"OPENAI_API_KEY): export {keys.API_KEY_ENV}=$(cat {d / keys.API_KEY_FILE})",
             f"  admin key (SGLang's admin endpoints, the router's /workers): {d / keys.ADMIN_KEY_FILE}"]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from sglang_disagg.launch import checks, secret
 from sglang_disagg.launch.commands import ProcessSpec, router_spec, server_spec
-from sglang_disagg.launch.config import LaunchConfig, Mode, Role
+from sglang_disagg.launch.config import LaunchConfig, Role
 from sglang_disagg.launch.preflight import visible_gpus
 from sglang_disagg.models import is_builtin
 

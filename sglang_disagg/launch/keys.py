@@ -20,7 +20,8 @@ same ones from what it already holds and nothing new is distributed; a new secre
 Never on a command line (any user reads /proc/*/cmdline): SGLang reads them from a YAML file
 given with ``--config`` (0600, in the log dir), smg's router gets them in-process
 (smg_router.py derives them from the secret), and the launcher writes ``api-key`` and
-``admin-key`` (0600) in its log dir for clients and operators.
+``admin-key`` (0600) in its log dir for clients and operators. A stopped stack removes all
+three kinds (stack.py); they are derived, so the next start writes them again.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from sglang_disagg import private_files
 from sglang_disagg.backends import auth
 from sglang_disagg.launch.client import API_KEY_ENV  # noqa: F401 - what clients read (client.py)
 from sglang_disagg.launch.config import LaunchConfig, Role
@@ -121,21 +123,21 @@ def server_config(log_dir: Path, name: str) -> Path:
     return log_dir / f"{name}.keys.yaml"
 
 
-def _write_private(path: Path, text: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.fchmod(fd, 0o600)  # an older file of another mode keeps it otherwise
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-
-
-def write(keys: HttpKeys, log_dir: Path, servers: list[str]) -> None:
-    """The files of a node, each 0600: api-key and admin-key (for clients and operators), and
-    each server's --config file."""
-    log_dir.mkdir(parents=True, exist_ok=True)
-    _write_private(log_dir / API_KEY_FILE, keys.api + "\n")
-    _write_private(log_dir / ADMIN_KEY_FILE, keys.admin + "\n")
-    for name in servers:
-        _write_private(server_config(log_dir, name), keys.server_yaml())
+def write(keys: HttpKeys, log_dir: Path, servers: list[str]) -> list[Path]:
+    """The files of a node, each 0600 (private_files.py): api-key and admin-key (for clients and
+    operators), and each server's --config file. Returns them: the stack removes them when it
+    stops (stack.py)."""
+    private_files.make_dir(log_dir)
+    files = [(log_dir / API_KEY_FILE, keys.api + "\n"), (log_dir / ADMIN_KEY_FILE, keys.admin + "\n")]
+    files += [(server_config(log_dir, name), keys.server_yaml()) for name in servers]
+    written: list[Path] = []
+    try:
+        for path, text in files:
+            written.append(private_files.write(path, text))
+    except BaseException:
+        private_files.remove(written)  # all of them or none
+        raise
+    return written
 
 
 def main(argv: list[str]) -> int:

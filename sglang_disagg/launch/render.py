@@ -15,13 +15,18 @@ reach it by the group's name), and the router as a Deployment + Service. Pods bi
 own pod IP; containers, resources, probes and the secret: pods.py. OME: render_ome.py.
 ``--validate`` checks what is rendered against the pinned schemas (validate_manifests.py).
 Slurm: one job, one machine per group member plus one for the router; the group -> machine
-assignment is made from $SLURM_JOB_NODELIST when the job starts.
+assignment is made from $SLURM_JOB_NODELIST when the job starts. Every value that comes from
+the deployment file is single-quoted (shlex.quote), so nothing in it runs or expands; only the
+script's own variables (the machines, $SLURM_PROCID) expand, spliced in between the quoted
+parts. A secret the script makes for the job (none named in the file) is 0600, in a directory
+nobody else can rename entries in, and removed when the job ends (TERM and INT end it).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import shlex
 import sys
 
@@ -86,16 +91,57 @@ def kubernetes(dep: Deployment, namespace: str = "default") -> list[dict]:
 
 # ----------------------------------------------------------------------------- Slurm
 
+_MARK = "\0"  # brackets one of the script's own variables inside a value (no TOML string holds one: checked)
+_TIME = re.compile(r"^([0-9]+(-[0-9]+)?(:[0-9]+){0,2}|UNLIMITED|INFINITE)$")  # sbatch --time's forms
+
+
 def _var(name: str) -> str:
     return name.upper().replace("-", "_")
 
 
-def _sh(argv: list[str]) -> str:
-    """Shell words: literals quoted, "$VAR" references expanded."""
-    return " ".join(f'"{a}"' if "$" in a else shlex.quote(a) for a in argv)
+def _ref(name: str) -> str:
+    """The script's own variable `name`, to expand where it stands inside a value."""
+    return f"{_MARK}{name}{_MARK}"
+
+
+def _word(arg: str, own: set[str]) -> str:
+    """One shell word: the literal parts single-quoted, the script's own variables (`_ref`, one
+    of `own`) as "${NAME}" between them: 'http://'"${DECODE_0}"':30002'."""
+    parts = arg.split(_MARK)
+    if len(parts) % 2 == 0 or any(name not in own for name in parts[1::2]):
+        raise ValueError(f"a value holds a NUL character: {arg!r}")
+    words = [f'"${{{p}}}"' if i % 2 else shlex.quote(p) for i, p in enumerate(parts) if i % 2 or p]
+    return "".join(words) or "''"
+
+
+def _sh(argv: list[str], own: set[str]) -> str:
+    return " ".join(_word(a, own) for a in argv)
+
+
+def _strings(value: object) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [s for v in value for s in _strings(v)]
+    return []
+
+
+# The directory of the job's secret: ours (or root's), and nobody else may rename entries in it
+# unless it is sticky (the launcher's rule for its private files, sglang_disagg/private_files.py).
+_PRIVATE_DIR = [
+    "read -r owner mode < <(stat -Lc '%u %a' .)",
+    'if ! [ "$owner" = "$EUID" -o "$owner" = 0 ] || (( (8#$mode & 8#022) && !(8#$mode & 8#1000) )); then',
+    '  echo "error: $PWD (owner $owner, mode $mode): others could swap the job\'s secret here; submit from a" \\',
+    '       "directory only you can write, or name a secret_file in the deployment file" >&2',
+    "  exit 2",
+    "fi"]
 
 
 def slurm(dep: Deployment, time_limit: str = "04:00:00") -> str:
+    if not _TIME.match(time_limit):
+        raise ValueError(f"--time {time_limit!r}: not one of sbatch's time forms (e.g. 04:00:00, 2-00:00:00)")
+    if any(_MARK in s for s in _strings(dataclasses.astuple(dep))):
+        raise ValueError("the deployment file holds a NUL character in a value")
     machines = sum(g.nodes for g in dep.groups) + 1
     lines = ["#!/usr/bin/env bash", "#SBATCH --job-name=sglang-disagg", f"#SBATCH --nodes={machines}",
              "#SBATCH --ntasks-per-node=1", "#SBATCH --exclusive", f"#SBATCH --time={time_limit}",
@@ -109,21 +155,28 @@ def slurm(dep: Deployment, time_limit: str = "04:00:00") -> str:
         i += g.nodes
     lines += [f'export ROUTER="${{HOSTS[{i}]}}"']
     if not dep.secret_file:  # one fresh secret per job, on the shared filesystem, for every server
-        lines += [f'export {SECRET_FILE_ENV}="$PWD/.sglang-disagg-secret.${{SLURM_JOB_ID:-$$}}"',
-                  f'(umask 077; python3 -c "import secrets; print(secrets.token_hex(32))" > "${SECRET_FILE_ENV}")']
+        lines += ["# The job's secret: 0600 under a name nobody could plant (mktemp), gone when the job ends.",
+                  'SECRET_MADE=""', """trap '[ -z "$SECRET_MADE" ] || rm -f -- "$SECRET_MADE"' EXIT""",
+                  "trap 'exit 143' TERM  # scancel, the time limit: exit, so the EXIT trap runs",
+                  "trap 'exit 130' INT", *_PRIVATE_DIR,
+                  'SECRET_MADE="$(mktemp "$PWD/.sglang-disagg-secret.${SLURM_JOB_ID:-$$}.XXXXXXXX")"',
+                  f'export {SECRET_FILE_ENV}="$SECRET_MADE"',
+                  "python3 -c 'import secrets; print(secrets.token_hex(32))' > \"$SECRET_MADE\""]
     lines.append("")
-    slurm_dep = dataclasses.replace(dep, groups=tuple(dataclasses.replace(g, host=f"${_var(g.name)}")
-                                                      for g in dep.groups), router_host="$ROUTER")
+    own = {_var(g.name) for g in dep.groups} | {"ROUTER", "SLURM_PROCID"}
+    slurm_dep = dataclasses.replace(dep, groups=tuple(dataclasses.replace(g, host=_ref(_var(g.name)))
+                                                      for g in dep.groups), router_host=_ref("ROUTER"))
     for g in slurm_dep.groups:
         argv = LAUNCH + launcher_argv(slurm_dep.launch_config(g.name))
+        v = _var(g.name)
         if g.nodes == 1:
-            lines.append(f'srun --nodes=1 --ntasks=1 -w "{g.host}" {_sh(argv)} &')
+            lines.append(f'srun --nodes=1 --ntasks=1 -w "${v}" {_sh(argv, own)} &')
         else:  # the node rank is the task's rank, expanded on each machine
-            argv += multinode_flags(g, g.host, "$SLURM_PROCID", dist_port(dep, g))
-            lines.append(f'srun --nodes={g.nodes} --ntasks={g.nodes} -w "${_var(g.name)}_NODES" '
-                         f'bash -c {shlex.quote(_sh(argv))} &')
+            argv += multinode_flags(g, g.host, _ref("SLURM_PROCID"), dist_port(dep, g))
+            lines.append(f'srun --nodes={g.nodes} --ntasks={g.nodes} -w "${v}_NODES" '
+                         f'bash -c {shlex.quote(_sh(argv, own))} &')
     lines.append(f'srun --nodes=1 --ntasks=1 -w "$ROUTER" '
-                 f'{_sh(LAUNCH + launcher_argv(slurm_dep.launch_config(ROUTER)))} &')
+                 f'{_sh(LAUNCH + launcher_argv(slurm_dep.launch_config(ROUTER)), own)} &')
     lines += ["wait -n  # the first process to exit ends the job", "exit 1", ""]
     return "\n".join(lines)
 

@@ -2,7 +2,8 @@
 and the HTTP keys (keys.py) derive from it.
 
 --role all (and colocated, where it needs keys) makes a fresh one per stack, in a 0600 file in
-the log dir, so nothing needs configuring on one machine. Nodes started one per machine
+the log dir (private_files.py), so nothing needs configuring on one machine; the stack removes
+it when it stops (stack.py), and keeps a --secret-file it was given. Nodes started one per machine
 (--role prefill|decode in messenger mode, and every role whose HTTP ports are reachable from
 other machines, the router included) must share one: --secret-file (or the deployment file's
 secret_file), or SGLANG_DISAGG_SECRET in the environment; without either the launcher stops
@@ -15,11 +16,13 @@ import dataclasses
 import os
 from pathlib import Path
 
+from sglang_disagg import private_files
 from sglang_disagg.backends import auth
 from sglang_disagg.launch import keys
 from sglang_disagg.launch.config import LaunchConfig, Mode, Role
 
 SAME_MACHINE = (Role.ALL, Role.COLOCATED)  # every process of the stack here: a fresh secret will do
+SECRET_FILE = "secret"  # the one with_secret makes, in the log dir
 
 
 def needs_secret(cfg: LaunchConfig) -> bool:
@@ -28,11 +31,11 @@ def needs_secret(cfg: LaunchConfig) -> bool:
 
 
 def with_secret(cfg: LaunchConfig, log_dir: Path) -> LaunchConfig:
+    """`cfg` with the secret it runs with: a fresh file in `log_dir` where every process is
+    here and none was given (the only case that writes; the caller owns the file then), else
+    `cfg` as it is, refused (ValueError) where it lacks one."""
     if cfg.role in SAME_MACHINE and not cfg.secret_file and needs_secret(cfg):
-        path = log_dir / "secret"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(auth.new_secret() + "\n")
+        path = private_files.write(log_dir / SECRET_FILE, auth.new_secret() + "\n")
         return dataclasses.replace(cfg, secret_file=str(path))
     check(cfg)
     return cfg

@@ -6,7 +6,10 @@ messenger mode started with them and given the decoder once it is healthy; upstr
 mode, once both servers are); ``colocated`` / ``prefill`` / ``decode`` = one server; ``router`` = the
 router in front of remote workers. ``start()`` returns once the front door
 answers a real request, or raises ``StartupError`` with the failing process's
-log tail; ``stop()`` (or leaving the ``with`` block) tears everything down.
+log tail; ``stop()`` (or leaving the ``with`` block) tears everything down and removes the
+private files the stack wrote in its log dir: the HTTP key files, the servers' ``--config``
+files holding keys, and the secret it made itself (a ``--secret-file`` it was given is kept).
+A later ``start()`` writes them again. Logs and ``ports.txt`` stay.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from sglang_disagg import private_files
 from sglang_disagg.launch.checks import check_cores
 from sglang_disagg.launch.client import RequestError, generate_ids, post_json
 from sglang_disagg.launch.commands import launcher_registered_workers, router_spec, server_spec
@@ -36,7 +40,8 @@ LINK_WAIT_S = 20.0
 
 class Stack:
     def __init__(self, cfg: LaunchConfig, servers: list[ManagedProcess], router: ManagedProcess | None,
-                 log_dir: Path, model_path: Path, http_keys: keys.HttpKeys | None = None) -> None:
+                 log_dir: Path, model_path: Path, http_keys: keys.HttpKeys | None = None,
+                 private: dict[Path, str] | None = None) -> None:
         self.cfg = cfg
         self.keys = http_keys  # None: loopback only, no keys (keys.py)
         self.servers = servers
@@ -46,6 +51,7 @@ class Stack:
         self.startup_s: float | None = None
         self.phases: dict[str, float] = {}  # "<name> healthy", "routable": seconds since the last (re)start
         self._t0 = 0.0
+        self._private = dict(private or {})  # files this stack wrote, with their text: stop() removes them
 
     @classmethod
     def for_config(cls, cfg: LaunchConfig) -> Stack:
@@ -53,24 +59,32 @@ class Stack:
         if cfg.device == "cuda" and cfg.role is not Role.ROUTER and cfg.gpus is None:
             cfg = dataclasses.replace(cfg, gpus=check_cuda(cfg))  # refuses now if CUDA cannot run here
         log_dir = Path(cfg.log_dir) if cfg.log_dir else Path(tempfile.mkdtemp(prefix=f"sglang-disagg-{cfg.role.value}-"))
-        log_dir.mkdir(parents=True, exist_ok=True)
+        private_files.make_dir(log_dir)
+        given = cfg.secret_file
         cfg = with_secret(cfg, log_dir)
+        made = [Path(cfg.secret_file)] if cfg.secret_file != given else []  # ours, not the user's: removed at stop
         try:
-            http_keys = keys.load(cfg)
-        except keys.KeysError as e:
-            raise ValueError(str(e)) from None
-        model_path = Path()
-        servers: list[ManagedProcess] = []
-        if cfg.role is not Role.ROUTER:
-            model_path = resolve_model_path(cfg.model)
-            sharding.check_launch(cfg, model_path)
-            builtin = is_builtin(cfg.model)
-            roles = [Role.PREFILL, Role.DECODE] if cfg.role is Role.ALL else [cfg.role]
-            servers = [ManagedProcess(server_spec(cfg, r, str(model_path), builtin, log_dir), log_dir) for r in roles]
-        router = ManagedProcess(router_spec(cfg), log_dir) if cfg.role in (Role.ALL, Role.ROUTER) else None
-        if http_keys:
-            keys.write(http_keys, log_dir, [p.spec.name for p in servers])
-        return cls(cfg, servers, router, log_dir, model_path, http_keys)
+            try:
+                http_keys = keys.load(cfg)
+            except keys.KeysError as e:
+                raise ValueError(str(e)) from None
+            model_path = Path()
+            servers: list[ManagedProcess] = []
+            if cfg.role is not Role.ROUTER:
+                model_path = resolve_model_path(cfg.model)
+                sharding.check_launch(cfg, model_path)
+                builtin = is_builtin(cfg.model)
+                roles = [Role.PREFILL, Role.DECODE] if cfg.role is Role.ALL else [cfg.role]
+                servers = [ManagedProcess(server_spec(cfg, r, str(model_path), builtin, log_dir), log_dir)
+                           for r in roles]
+            router = ManagedProcess(router_spec(cfg), log_dir) if cfg.role in (Role.ALL, Role.ROUTER) else None
+            if http_keys:
+                made += keys.write(http_keys, log_dir, [p.spec.name for p in servers])
+            private = {p: p.read_text() for p in made}
+        except BaseException:
+            private_files.remove(made)  # refused: nothing of ours stays behind
+            raise
+        return cls(cfg, servers, router, log_dir, model_path, http_keys, private)
 
     @property
     def processes(self) -> list[ManagedProcess]:
@@ -90,6 +104,9 @@ class Stack:
 
     def start(self, progress: Progress | None = None) -> None:
         stop_on_sigterm()  # a script killed with SIGTERM still stops what it started
+        for path, text in self._private.items():  # a stack started again after a stop
+            if not path.exists():
+                private_files.write(path, text)
         if self.cfg.role is not Role.ROUTER:
             check_patches_applied()
         check_ports_free(self.cfg)
@@ -229,8 +246,16 @@ class Stack:
                 p.drain()
             for p in front:
                 p.wait_exit(deadline - time.monotonic())
-        for p in reversed(self.processes):
-            p.stop()
+        try:
+            for p in reversed(self.processes):
+                p.stop()
+        finally:
+            private_files.remove(list(self._private))
+
+    @property
+    def private_paths(self) -> list[Path]:
+        """The secret and key files this stack wrote (and stop() removes)."""
+        return list(self._private)
 
     def listening(self) -> list[Listener]:
         """Every socket this stack's processes listen on, each with what it is for."""

@@ -63,14 +63,24 @@ def test_role_all_off_loopback_asks_keys_and_says_where_a_client_finds_its_own(t
     """Bound to an address other machines reach, the same stack asks every HTTP request for a
     key; the launcher's own requests (adding the decoder to the router, the routability check,
     the smoke question) present them, and it says where a client finds the API key."""
+    from sglang_disagg.backends import auth
+    from sglang_disagg.launch import keys
+
     host = _this_machines_address()
-    r = _launch("--role", "all", "--smoke", "--host", host, "--port", str(next(_ports)), "--log-dir", str(tmp_path))
+    secret = tmp_path / "given-secret"  # given, so the key is known here after the stack removed its files
+    secret.write_text(auth.new_secret() + "\n")
+    secret.chmod(0o600)
+    logs = tmp_path / "logs"
+    r = _launch("--role", "all", "--smoke", "--host", host, "--port", str(next(_ports)), "--log-dir", str(logs),
+                "--secret-file", str(secret))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "HTTP keys: on (HTTP ports of this deployment reach beyond this machine)" in r.stdout
-    assert f"export SGLANG_DISAGG_API_KEY=$(cat {tmp_path}/api-key)" in r.stdout
+    assert f"export SGLANG_DISAGG_API_KEY=$(cat {logs}/api-key)" in r.stdout
     assert "The capital of France is Paris." in r.stdout
-    key = (tmp_path / "api-key").read_text().strip()
+    key = keys.HttpKeys.derive(auth.load_secret({auth.SECRET_FILE_ENV: str(secret)})).api
     assert len(key) == 64 and key not in r.stdout + r.stderr
+    # Stopped, the stack removed the key files it wrote and kept the secret it was given.
+    assert not (logs / "api-key").exists() and not (logs / "admin-key").exists() and secret.exists()
 
 
 def test_upstream_mode_smoke(tmp_path):

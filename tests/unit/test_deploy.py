@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -163,8 +164,8 @@ def test_the_slurm_script_starts_each_node_on_its_machine_with_its_configuration
             break
         time.sleep(0.05)
     assert len(calls) == len(NODES)
-    secrets = list(tmp_path.glob(".sglang-disagg-secret.*"))  # one per job, private, for every server
-    assert len(secrets) == 1 and secrets[0].stat().st_mode & 0o077 == 0 and len(secrets[0].read_text()) > 32
+    # The job's secret is gone once the job ended (while it runs: the test below).
+    assert not list(tmp_path.glob(".sglang-disagg-secret.*"))
     machines = {"prefill-0": "n0", "decode-0": "n1", "decode-1": "n2", "decode-2": "n3", "router": "n4"}
     by_host = {}
     for argv in calls:
@@ -178,3 +179,111 @@ def test_the_slurm_script_starts_each_node_on_its_machine_with_its_configuration
     assert by_host["n1"].prefill_messengers == ("n0:30003",)
     assert by_host["n4"].decode_urls == tuple(f"http://n{i}:30002" for i in (1, 2, 3))
     assert shlex.split(script.read_text().splitlines()[0]) == ["#!/usr/bin/env", "bash"]
+
+
+# Stand-ins that run what the script gives them: srun runs its command once per task with the
+# task's SLURM_PROCID; the launcher (.venv/bin/python, relative to the job's directory) records
+# the secret file it was given (its mode) and its argv, then waits to be released.
+SRUN = """#!/bin/bash
+n=1
+while [ $# -gt 0 ]; do
+  case "$1" in --ntasks=*) n="${1#--ntasks=}"; shift;; --nodes=*) shift;; -w) shift 2;; *) break;; esac
+done
+for ((i = 0; i < n; i++)); do SLURM_PROCID=$i "$@" & done
+wait
+"""
+LAUNCHER = """#!/bin/bash
+t=$(mktemp -p "$CALL_LOG" .partXXXX)
+{ stat -c '%a' "$SGLANG_DISAGG_SECRET_FILE"; echo "$SGLANG_DISAGG_SECRET_FILE"; printf '%s\\0' "$@"; } > "$t"
+mv "$t" "$CALL_LOG/call${t##*.part}"
+for ((i = 0; i < 600; i++)); do [ -e "$RELEASE" ] && exit 0; sleep 0.05; done
+"""
+
+
+@pytest.mark.parametrize("ending", ["a process exits", "scancel (TERM)"])
+def test_the_slurm_script_runs_nothing_from_the_file_and_removes_its_secret_when_the_job_ends(tmp_path, ending):
+    doc = __import__("tomllib").loads(EXAMPLE.read_text())
+    canaries = [tmp_path / f"ran-{i}" for i in range(4)]
+    hostile = [f"$(touch {canaries[0]})", f"`touch {canaries[1]}`", f"\"$(touch {canaries[2]})\"",
+               f"'; touch {canaries[3]}; '", "$SLURM_PROCID", "${HOME}"]
+    doc["deployment"] |= {"model": "tiny-llama", "extra_args": ["--served-model-name", *hostile]}
+    doc["prefill"][0] |= {"tp": 2, "nodes": 2}  # a multi-node group: its command runs under bash -c
+    doc["decode"] = doc["decode"][:1]
+    script = tmp_path / "job.sbatch"
+    script.write_text(slurm(parse_doc(doc)))
+    bin_dir, venv, log = tmp_path / "bin", tmp_path / ".venv" / "bin", tmp_path / "calls"
+    for d in (bin_dir, venv, log):
+        d.mkdir(parents=True)
+    for path, text in ((bin_dir / "srun", SRUN), (bin_dir / "scontrol", "#!/bin/sh\nprintf 'n0\\nn1\\nn2\\nn3\\n'\n"),
+                       (venv / "python", LAUNCHER)):
+        path.write_text(text)
+        path.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SGLANG_DISAGG_SECRET", "SLURM_"))}
+    env |= {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "n[0-3]", "SLURM_JOB_ID": "42",
+            "CALL_LOG": str(log), "RELEASE": str(tmp_path / "release")}
+    job = subprocess.Popen(["bash", str(script)], env=env, cwd=tmp_path, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 20
+        while len(list(log.glob("call*"))) < 4 and time.monotonic() < deadline and job.poll() is None:
+            time.sleep(0.05)
+        calls = [f.read_text().split("\n", 2) for f in log.glob("call*")]
+        assert not [c for c in canaries if c.exists()], "a value from the deployment file ran"
+        assert len(calls) == 4, f"{len(calls)} launcher calls (job exit status {job.poll()})"
+        secrets = list(tmp_path.glob(".sglang-disagg-secret.42.*"))  # one per job, private, for every server
+        assert len(secrets) == 1 and stat_mode(secrets[0]) == 0o600 and len(secrets[0].read_text().strip()) == 64
+        assert {(mode, path) for mode, path, _ in calls} == {("600", str(secrets[0]))}
+        if ending == "a process exits":
+            (tmp_path / "release").touch()
+            assert job.wait(20) == 1
+        else:
+            job.send_signal(signal.SIGTERM)  # the batch shell only, as Slurm signals it
+            assert job.wait(20) == 143
+        assert not secrets[0].exists() and not list(tmp_path.glob(".sglang-disagg-secret*"))
+    finally:
+        (tmp_path / "release").touch()
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait(5)
+    argvs = [argv.rstrip("\0").split("\0") for _, _, argv in calls]
+    for argv in argvs:  # every value from the file arrives as written, nothing of it ran
+        i = argv.index("--served-model-name")
+        assert argv[i + 1:i + 1 + len(hostile)] == hostile
+    assert not [c for c in canaries if c.exists()]
+    # The script's own variables expanded: the machines, and each task's rank.
+    prefill = [parse(a)[0] for a in argvs if "--nnodes" in a]
+    assert sorted(a[a.index("--node-rank") + 1] for a in argvs if "--nnodes" in a) == ["0", "1"]
+    assert {c.host for c in prefill} == {"n0"} and all(
+        a[a.index("--dist-init-addr") + 1] == "n0:30004" for a in argvs if "--nnodes" in a)
+    by_role = {c.role: c for c in (parse(a)[0] for a in argvs)}
+    assert by_role[Role.DECODE].host == "n2" and by_role[Role.DECODE].prefill_messengers == ("n0:30003",)
+    assert by_role[Role.ROUTER].host == "n3" and by_role[Role.ROUTER].decode_urls == ("http://n2:30002",)
+
+
+def stat_mode(path: Path) -> int:
+    return path.stat().st_mode & 0o777
+
+
+def test_a_slurm_job_refuses_to_put_its_secret_where_others_could_swap_it(tmp_path):
+    job_dir = tmp_path / "shared"
+    job_dir.mkdir()
+    job_dir.chmod(0o775)
+    script = job_dir / "job.sbatch"
+    script.write_text(slurm(load(EXAMPLE)))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\nprintf 'n0\\nn1\\nn2\\nn3\\nn4\\n'\n")
+    (bin_dir / "srun").write_text("#!/bin/sh\ntouch started\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_NODELIST="n[0-4]")
+    r = subprocess.run(["bash", str(script)], env=env, cwd=job_dir, timeout=30, capture_output=True, text=True)
+    assert r.returncode == 2 and "others could swap the job's secret here" in r.stderr
+    assert sorted(p.name for p in job_dir.iterdir()) == ["job.sbatch"]  # no secret, nothing started
+
+
+def test_a_named_secret_file_is_quoted_and_kept_and_a_bad_time_limit_refused():
+    doc = __import__("tomllib").loads(EXAMPLE.read_text())
+    doc["deployment"]["secret_file"] = "/shared/$(id)/secret"
+    text = slurm(parse_doc(doc))
+    assert "--secret-file '/shared/$(id)/secret'" in text and "mktemp" not in text and "rm -f" not in text
+    with pytest.raises(ValueError, match="--time"):
+        slurm(load(EXAMPLE), "1:00:00\nrm -rf ~")
