@@ -116,10 +116,6 @@ class ExpectTracker:
             self._consume(tag, exp.count)
         exp.future.set_result(exp.count)
 
-    def pending(self) -> bool:
-        """Whether any expectation waits (a progress thread may sleep when none does)."""
-        return bool(self._waiting)
-
     def arrived(self, tag: int) -> int:
         with self._lock:
             return self._counts.get(tag, 0)
@@ -187,6 +183,7 @@ class ExpectTracker:
             self._timer.join(timeout=1.0)
 
     def pending(self) -> int:
+        """How many expectations wait (none: a progress thread may sleep)."""
         with self._lock:
             return len(self._waiting)
 
