@@ -74,7 +74,8 @@ def pct(values: list[float], q: float) -> float | None:
     return v[min(len(v) - 1, int(round(q / 100 * (len(v) - 1))))]
 
 
-async def one_window(url: str, decoder_url: str, decoder_pid: int, batch: int, kv: bool, seed: int) -> dict:
+async def one_window(url: str, decoder_url: str, decoder_pid: int, batch: int, kv: bool, seed: int,
+                     admin_key: str = "") -> dict:
     import aiohttp
 
     t0 = time.perf_counter()
@@ -110,7 +111,7 @@ async def one_window(url: str, decoder_url: str, decoder_pid: int, batch: int, k
             await asyncio.sleep(WINDOW_S)
             end = time.perf_counter() - t0
         after = threadcpu.sample(threadcpu.tree(decoder_pid))
-        await _drain(session, decoder_url)
+        await _drain(session, decoder_url, admin_key)
         await asyncio.gather(*streams, return_exceptions=True)
     itls = []
     for r in results:
@@ -124,13 +125,15 @@ async def one_window(url: str, decoder_url: str, decoder_pid: int, batch: int, k
             "ours_pct": round(sum(v for k, v in threads.items() if k.startswith(threadcpu.PREFIX)), 2)}
 
 
-async def _drain(session, decoder_url: str) -> None:
+async def _drain(session, decoder_url: str, admin_key: str) -> None:
     """Abort every request on the decode server and wait until it runs none. A client that
     closes its stream at the router did not stop the request on the decoder in our runs,
     and an abort sent once was sometimes not seen: abort again until the decoder is empty,
-    so that no stream of one window runs on into the next."""
+    so that no stream of one window runs on into the next. /abort_request is an admin endpoint:
+    it takes the stack's admin key (on loopback too, keys.Scope.ADMIN)."""
+    auth = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
     for _ in range(40):
-        async with session.post(decoder_url + "/abort_request", json={"abort_all": True}) as r:
+        async with session.post(decoder_url + "/abort_request", json={"abort_all": True}, headers=auth) as r:
             r.raise_for_status()
         await asyncio.sleep(0.5)
         loads = await _loads(session, decoder_url)
@@ -253,7 +256,7 @@ def main() -> None:
                         for cond in ("idle", "kv"):
                             seed = rep * 1000 + batch * 10 + (cond == "kv")
                             row = asyncio.run(one_window(stack.url, decoder.url, decoder.pid, batch, cond == "kv",
-                                                         seed))
+                                                         seed, stack.admin_key))
                             row.update(config=config, condition=cond, batch=batch, repeat=rep)
                             runs.append(row)
                             print(f"r{rep} {config:26s} B={batch:<3d} {cond:4s} ITL p50 {row['itl_p50_ms']} ms "

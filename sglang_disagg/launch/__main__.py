@@ -47,7 +47,9 @@ HTTP keys: off loopback (--host, a deployment file) every SGLang server and the 
 keys derived from the deployment's shared secret: clients send the API key (LOG_DIR/api-key,
 said at start) as "Authorization: Bearer KEY"; the admin key (LOG_DIR/admin-key) opens SGLang's
 admin endpoints and the router's /workers. "key api|admin [--secret-file FILE]" prints one,
-derived from the secret. --role all on 127.0.0.1 runs without keys."""
+derived from the secret. On 127.0.0.1 (--role all, colocated) serving takes no key, but any user
+of this machine reaches loopback: the admin endpoints and the router's /workers still take the
+admin key (LOG_DIR/admin-key)."""
 
 
 # argparse destination -> LaunchConfig field
@@ -241,10 +243,15 @@ def carrier(stack: Stack, wait_s: float = 3.0) -> str:
 
 def keys_lines(stack: Stack) -> list[str]:
     """What a client needs to know about keys, said at start (keys.py)."""
-    if stack.keys is None:
-        return [f"HTTP keys: none; every HTTP port is bound to {stack.cfg.host} (loopback), reachable from this "
-                "machine only"]
     d = stack.log_dir
+    if stack.scope is keys.Scope.NONE:
+        return [(f"HTTP keys: none; every HTTP port is bound to {stack.cfg.host} (loopback): every user of this "
+                 "machine can send requests and use the admin endpoints (no secret here to derive a key from)")]
+    if stack.scope is keys.Scope.ADMIN:
+        return [(f"HTTP keys: admin only; every HTTP port is bound to {stack.cfg.host} (loopback): other users of "
+                 "this machine can send requests (no key); the admin endpoints (/flush_cache, weight updates) and the "
+                 f"router's /workers, /flush_cache, /get_loads take the admin key in {d / keys.ADMIN_KEY_FILE} "
+                 "('Authorization: Bearer <admin key>')")]
     return ["HTTP keys: on (HTTP ports of this deployment reach beyond this machine); clients send "
             "'Authorization: Bearer <API key>'",
             f"  API key: {d / keys.API_KEY_FILE} (this project's clients read {keys.API_KEY_ENV}; OpenAI SDKs "
@@ -254,7 +261,7 @@ def keys_lines(stack: Stack) -> list[str]:
 
 def serve(stack: Stack) -> int:
     say(f"serving on {stack.url} (OpenAI-compatible); logs in {stack.log_dir}; Ctrl-C to stop")
-    auth = f"-H \"Authorization: Bearer $(cat {stack.log_dir / keys.API_KEY_FILE})\" " if stack.keys else ""
+    auth = f"-H \"Authorization: Bearer $(cat {stack.log_dir / keys.API_KEY_FILE})\" " if stack.api_key else ""
     tls = f"--cacert {stack.cfg.tls_cert_path} " if stack.cfg.tls_cert_path else ""
     say("try: curl -s " + tls + stack.url + "/v1/chat/completions " + auth + "-H 'Content-Type: application/json' "
         "-d '{\"model\": \"" + stack.cfg.served_model_name + "\", \"messages\": [{\"role\": \"user\", "

@@ -97,8 +97,13 @@ def dry_run(cfg: LaunchConfig) -> list[str]:
     secret.check(cfg, read_file=here)
     if secret.needs_secret(cfg):
         said.append("shared secret: " + _secret_source(cfg, here))
-    said.append("HTTP keys: " + ("an API key and an admin key derived from the shared secret (its ports reach "
-                                 "beyond this machine)" if keys.needed(cfg) else "none (loopback only)"))
+    said.append("HTTP keys: " + {
+        keys.Scope.ALL: "an API key and an admin key derived from the shared secret (its ports reach beyond this "
+                        "machine)",
+        keys.Scope.ADMIN: "the admin key only, derived from the shared secret (loopback): serving takes no key, "
+                          "the admin endpoints and the router's /workers do",
+        keys.Scope.NONE: "none (loopback, no secret here: every user of this machine reaches every endpoint)",
+    }[keys.scope(cfg)])
     if here:
         check_cores(cfg)
         said.append(f"this machine: {'cores for every rank' if cfg.device == 'cpu' else 'no GPU probed'}")

@@ -54,7 +54,7 @@ from pathlib import Path
 
 from sglang_disagg.backends.auth import SECRET_FILE_ENV
 from sglang_disagg.env import CPU_SERVER_ENV, SUBPROCESS_START_ENV
-from sglang_disagg.launch import gpu, keys
+from sglang_disagg.launch import gpu, keys, smg_router
 from sglang_disagg.launch.config import LaunchConfig, Mode, Role
 from sglang_disagg.messenger.config import ENV as MESSENGER_ENV
 from sglang_disagg.messenger.config import MessengerConfig, MessengerRole
@@ -233,9 +233,12 @@ def server_spec(cfg: LaunchConfig, role: Role, model_path: str, builtin: bool,
                 log_dir: Path | None = None) -> ProcessSpec:
     spec = dataclasses.replace(_server_spec(cfg, role, model_path, builtin, log_dir),
                                ports=tuple(cfg.ports.all(role, cfg.mode).items()))
-    if keys.needed(cfg):
-        # Its API and admin keys from a file (keys.py), before the rest: SGLang reads --config
-        # first and lets the command line override it.
+    scope = keys.scope(cfg)
+    # A spec built without a log dir is only looked at (every start, and the dry run, give one):
+    # on loopback it goes without its admin key's file; beyond it is refused.
+    if scope is keys.Scope.ALL or (scope is keys.Scope.ADMIN and log_dir is not None):
+        # Its keys from a file (keys.py; on loopback the admin key only), before the rest:
+        # SGLang reads --config first and lets the command line override it.
         if log_dir is None:
             raise ValueError(f"the {spec.name} server's keys go to a file in the log dir: none given")
         spec = dataclasses.replace(spec, argv=spec.argv[:3] + ("--config", str(keys.server_config(log_dir, spec.name)))
@@ -325,9 +328,11 @@ def router_spec(cfg: LaunchConfig) -> ProcessSpec:
     decodes = [f"http://{cfg.host}:{ports.decode}"] if cfg.role is Role.ALL else list(cfg.decode_urls)
     late = launcher_registered_workers(cfg)
     # With keys, smg is started in-process with its keys set there (smg_router.py): on its own
-    # command line they would be readable by any user of the machine.
-    module = "sglang_disagg.launch.smg_router" if keys.needed(cfg) else "smg.launch_router"
-    argv = [sys.executable, "-m", module, "--host", cfg.host, "--port", str(ports.front),
+    # command line they would be readable by any user of the machine. The scope is no secret.
+    scope = keys.scope(cfg)
+    module = ["smg.launch_router"] if scope is keys.Scope.NONE else [
+        "sglang_disagg.launch.smg_router", smg_router.SCOPE_FLAG, scope.value]
+    argv = [sys.executable, "-m", *module, "--host", cfg.host, "--port", str(ports.front),
             # its metrics listener defaults to 0.0.0.0:29000: keep it on our host and port range
             "--prometheus-host", cfg.host, "--prometheus-port", str(ports.router_metrics)]
     if cfg.mode is Mode.MESSENGER:
@@ -359,7 +364,7 @@ def router_spec(cfg: LaunchConfig) -> ProcessSpec:
     argv += ["--sse-keepalive-secs", f"{cfg.sse_keepalive_s:g}"]
     if cfg.tls_cert_path:  # HTTPS on the front door (the router's own listener; workers stay HTTP)
         argv += ["--tls-cert-path", cfg.tls_cert_path, "--tls-key-path", cfg.tls_key_path]
-    extra = {SECRET_FILE_ENV: cfg.secret_file} if keys.needed(cfg) and cfg.secret_file else {}
+    extra = {SECRET_FILE_ENV: cfg.secret_file} if scope is not keys.Scope.NONE and cfg.secret_file else {}
     # Pinned with the prefill server: a decode server's cores run decoding only, as on a
     # dedicated decode node, and the router's work lands where a prefill stall costs no ITL.
     return ProcessSpec("router", tuple(argv), _env(cfg, Role.ROUTER, 1, extra), ports.front,

@@ -1,9 +1,18 @@
 """The HTTP keys of a deployment: which key opens which port, where each process gets it.
 
-Keys are on whenever an HTTP port is reachable beyond this machine: a process binds an
-address that is not loopback (``--host``, a deployment file, every rendering), or a router's
-workers do (it must present the key to them). ``--role all``/``colocated`` on loopback run
-without keys and say so at start.
+Which keys a node asks for is its Scope (scope()), from where its ports are bound and whether it
+holds the deployment's secret:
+
+- ALL: an HTTP port is reachable beyond this machine (a process binds an address that is not
+  loopback: ``--host``, a deployment file, every rendering), or a router's workers are (it must
+  present the key to them). Serving takes the API key, admin endpoints the admin key.
+- ADMIN: every port on loopback, and the node holds the secret (``--role all``/``colocated``
+  make one at start; a messenger server has one). Any user of this machine reaches loopback,
+  so the admin endpoints (SGLang's, smg's /workers, /flush_cache, /get_loads) take the admin
+  key, while serving stays keyless. Measured with smg 1.13 given only a control-plane key:
+  /workers, /get_loads, /flush_cache 401 without it (and with a wrong one), 200/202 with it;
+  /generate, /v1/chat/completions and /v1/models served without a key.
+- NONE: loopback and no secret here (a server started on its own in upstream mode, given none).
 
 Two keys, derived from the deployment's shared secret (secret.py), so every node derives the
 same ones from what it already holds and nothing new is distributed; a new secret rotates them:
@@ -26,6 +35,7 @@ three kinds (stack.py); they are derived, so the next start writes them again.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import hmac
 import os
@@ -51,6 +61,22 @@ class KeysError(ValueError):
 def is_loopback(host: str) -> bool:
     """Reachable from this machine only. 0.0.0.0 and :: are every interface: not loopback."""
     return host == "localhost" or host.startswith("127.") or host in ("::1", "[::1]")
+
+
+class Scope(enum.Enum):
+    """Which of the two keys a node's HTTP ports ask for (the module doc)."""
+
+    NONE = "none"  # no key: loopback, no secret to derive one from
+    ADMIN = "admin"  # the admin key on admin endpoints; serving keyless (loopback)
+    ALL = "all"  # the API key on serving, the admin key on admin endpoints
+
+    @property
+    def api(self) -> bool:
+        return self is Scope.ALL
+
+    @property
+    def admin(self) -> bool:
+        return self is not Scope.NONE
 
 
 def needed(cfg: LaunchConfig) -> bool:
@@ -86,20 +112,35 @@ class HttpKeys:
             return hmac.new(secret, _LABEL + name, hashlib.sha256).hexdigest()
         return cls(api=one(b"api"), admin=one(b"admin"))
 
-    def server_yaml(self) -> str:
-        """What SGLang's --config file holds: its two keys, nothing else (the rest stays on
-        the command line, where an operator reads it)."""
-        return f'api-key: "{self.api}"\nadmin-api-key: "{self.admin}"\n'
+    def server_yaml(self, scope: Scope = Scope.ALL) -> str:
+        """What SGLang's --config file holds: its keys in `scope` (ADMIN: the admin key only, so
+        its serving endpoints stay open), nothing else (the rest stays on the command line,
+        where an operator reads it)."""
+        api = f'api-key: "{self.api}"\n' if scope.api else ""
+        return api + (f'admin-api-key: "{self.admin}"\n' if scope.admin else "")
 
     def router_admin_entry(self) -> tuple[str, str, str, str]:
         """smg's control-plane key entry, as RouterArgs holds it: (id, name, key, role)."""
         return (ROUTER_ADMIN_ID, ROUTER_ADMIN_ID, self.admin, "admin")
 
 
+def scope(cfg: LaunchConfig, environ: dict[str, str] | None = None) -> Scope:
+    """ALL where a port reaches beyond this machine (needed), else ADMIN where the node holds the
+    secret (--role all/colocated, which make one; its --secret-file; SGLANG_DISAGG_SECRET(_FILE)
+    in the environment), else NONE."""
+    if needed(cfg):
+        return Scope.ALL
+    env = os.environ if environ is None else environ
+    made_here = cfg.role in (Role.ALL, Role.COLOCATED)  # one made at start if none given (secret.with_secret)
+    held = made_here or cfg.secret_file or env.get(auth.SECRET_ENV) or env.get(auth.SECRET_FILE_ENV)
+    return Scope.ADMIN if held else Scope.NONE
+
+
 def load(cfg: LaunchConfig, environ: dict[str, str] | None = None) -> HttpKeys | None:
-    """The keys `cfg` runs with (None: loopback, none needed), from its --secret-file or the
-    environment's SGLANG_DISAGG_SECRET(_FILE). Raises KeysError naming what is missing."""
-    if not needed(cfg):
+    """The keys `cfg` runs with (None: Scope.NONE), from its --secret-file or the environment's
+    SGLANG_DISAGG_SECRET(_FILE); which of them its ports ask for is scope(cfg). Raises KeysError
+    naming what is missing or unreadable."""
+    if scope(cfg, environ) is Scope.NONE:
         return None
     return from_secret(cfg.secret_file, environ)
 
@@ -123,13 +164,14 @@ def server_config(log_dir: Path, name: str) -> Path:
     return log_dir / f"{name}.keys.yaml"
 
 
-def write(keys: HttpKeys, log_dir: Path, servers: list[str]) -> list[Path]:
-    """The files of a node, each 0600 (private_files.py): api-key and admin-key (for clients and
-    operators), and each server's --config file. Returns them: the stack removes them when it
-    stops (stack.py)."""
+def write(keys: HttpKeys, log_dir: Path, servers: list[str], scope: Scope = Scope.ALL) -> list[Path]:
+    """The files of a node, each 0600 (private_files.py): the keys its ports ask for in `scope`
+    (api-key for clients, admin-key for operators; ADMIN: admin-key only), and each server's
+    --config file. Returns them: the stack removes them when it stops (stack.py)."""
     private_files.make_dir(log_dir)
-    files = [(log_dir / API_KEY_FILE, keys.api + "\n"), (log_dir / ADMIN_KEY_FILE, keys.admin + "\n")]
-    files += [(server_config(log_dir, name), keys.server_yaml()) for name in servers]
+    files = [(log_dir / API_KEY_FILE, keys.api + "\n")] if scope.api else []
+    files += [(log_dir / ADMIN_KEY_FILE, keys.admin + "\n")] if scope.admin else []
+    files += [(server_config(log_dir, name), keys.server_yaml(scope)) for name in servers]
     written: list[Path] = []
     try:
         for path, text in files:

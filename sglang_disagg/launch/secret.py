@@ -1,9 +1,10 @@
 """The deployment's shared secret: the messenger's control plane (backends/auth.py) proves it,
 and the HTTP keys (keys.py) derive from it.
 
---role all (and colocated, where it needs keys) makes a fresh one per stack, in a 0600 file in
-the log dir (private_files.py), so nothing needs configuring on one machine; the stack removes
-it when it stops (stack.py), and keeps a --secret-file it was given. Nodes started one per machine
+--role all and colocated make a fresh one per stack, in a 0600 file in the log dir
+(private_files.py), so nothing needs configuring on one machine (on loopback too: the admin key
+derives from it, keys.Scope.ADMIN); the stack removes it when it stops (stack.py), and keeps a
+--secret-file it was given. Nodes started one per machine
 (--role prefill|decode in messenger mode, and every role whose HTTP ports are reachable from
 other machines, the router included) must share one: --secret-file (or the deployment file's
 secret_file), or SGLANG_DISAGG_SECRET in the environment; without either the launcher stops
@@ -26,8 +27,10 @@ SECRET_FILE = "secret"  # the one with_secret makes, in the log dir
 
 
 def needs_secret(cfg: LaunchConfig) -> bool:
+    """A messenger server proves it; a node reachable beyond this machine derives its keys from
+    it; a stack all on this machine derives its admin key from it, even on loopback (keys.py)."""
     messenger = cfg.mode is Mode.MESSENGER and cfg.role in (Role.ALL, Role.PREFILL, Role.DECODE)
-    return messenger or keys.needed(cfg)
+    return messenger or cfg.role in SAME_MACHINE or keys.needed(cfg)
 
 
 def with_secret(cfg: LaunchConfig, log_dir: Path) -> LaunchConfig:

@@ -41,9 +41,11 @@ LINK_WAIT_S = 20.0
 class Stack:
     def __init__(self, cfg: LaunchConfig, servers: list[ManagedProcess], router: ManagedProcess | None,
                  log_dir: Path, model_path: Path, http_keys: keys.HttpKeys | None = None,
-                 private: dict[Path, str] | None = None) -> None:
+                 private: dict[Path, str] | None = None, scope: keys.Scope | None = None) -> None:
         self.cfg = cfg
-        self.keys = http_keys  # None: loopback only, no keys (keys.py)
+        self.keys = http_keys  # None: no secret here, no keys (keys.Scope.NONE)
+        # Which of them the ports ask for (keys.py): on loopback the admin key only.
+        self.scope = scope if scope is not None else keys.Scope.ALL if http_keys else keys.Scope.NONE
         self.servers = servers
         self.router = router
         self.log_dir = log_dir
@@ -64,6 +66,7 @@ class Stack:
         cfg = with_secret(cfg, log_dir)
         made = [Path(cfg.secret_file)] if cfg.secret_file != given else []  # ours, not the user's: removed at stop
         try:
+            scope = keys.scope(cfg)
             try:
                 http_keys = keys.load(cfg)
             except keys.KeysError as e:
@@ -79,12 +82,12 @@ class Stack:
                            for r in roles]
             router = ManagedProcess(router_spec(cfg), log_dir) if cfg.role in (Role.ALL, Role.ROUTER) else None
             if http_keys:
-                made += keys.write(http_keys, log_dir, [p.spec.name for p in servers])
+                made += keys.write(http_keys, log_dir, [p.spec.name for p in servers], scope)
             private = {p: p.read_text() for p in made}
         except BaseException:
             private_files.remove(made)  # refused: nothing of ours stays behind
             raise
-        return cls(cfg, servers, router, log_dir, model_path, http_keys, private)
+        return cls(cfg, servers, router, log_dir, model_path, http_keys, private, scope)
 
     @property
     def processes(self) -> list[ManagedProcess]:
@@ -96,11 +99,27 @@ class Stack:
         return front.url
 
     @property
+    def api_key(self) -> str:
+        """The key serving asks for ("" where it asks none: loopback, keys.Scope)."""
+        return self.keys.api if self.keys and self.scope.api else ""
+
+    @property
+    def admin_key(self) -> str:
+        """The key the admin endpoints ask for (SGLang's, the router's /workers): "" where none."""
+        return self.keys.admin if self.keys and self.scope.admin else ""
+
+    @property
     def client_kw(self) -> dict:
         """What a client of this stack's front door passes to client.py's calls: its API key
         ("" where there is none, so a caller's SGLANG_DISAGG_API_KEY is not sent), the TLS trust."""
         front = self.router or self.servers[0]
-        return {"api_key": self.keys.api if self.keys else "", "tls": front.tls}
+        return {"api_key": self.api_key, "tls": front.tls}
+
+    @property
+    def admin_kw(self) -> dict:
+        """client_kw for an admin endpoint (a server's /flush_cache, the router's /workers): the admin key."""
+        front = self.router or self.servers[0]
+        return {"api_key": self.admin_key, "tls": front.tls}
 
     def start(self, progress: Progress | None = None) -> None:
         stop_on_sigterm()  # a script killed with SIGTERM still stops what it started
@@ -150,9 +169,8 @@ class Stack:
             # worker's API key goes in the body: smg presents its own --api-key only to the
             # workers named on its command line, and to a worker added here the key its body
             # names, none without (measured: the decoder answered its discovery requests 401).
-            body = {"url": url} | ({"api_key": self.keys.api} if self.keys else {})
-            post_json(f"{self.router.url}/workers", body, timeout=10, api_key=self.keys.admin if self.keys else "",
-                      tls=self.router.tls)
+            body = {"url": url} | ({"api_key": self.api_key} if self.api_key else {})
+            post_json(f"{self.router.url}/workers", body, timeout=10, api_key=self.admin_key, tls=self.router.tls)
         except (RequestError, OSError) as e:
             raise StartupError(f"the router on {self.router.url} did not take worker {url}: {e}\n"
                                + log_tail(self.router.log_path)) from None

@@ -46,8 +46,9 @@ def test_role_all_smoke_runs_through_the_messenger_by_default(tmp_path):
     assert "Prefill batch" in prefill_log
     # Every port the stack opened is listed with its purpose.
     assert "prefill messenger" in r.stdout and "decode server" in r.stdout
-    # On loopback the HTTP ports ask no key, and the launcher says so.
-    assert "HTTP keys: none; every HTTP port is bound to 127.0.0.1 (loopback)" in r.stdout
+    # On loopback serving asks no key, the admin endpoints the admin key, and the launcher says so.
+    assert "HTTP keys: admin only; every HTTP port is bound to 127.0.0.1 (loopback)" in r.stdout
+    assert f"take the admin key in {tmp_path}/admin-key" in r.stdout
 
 
 def _this_machines_address() -> str:

@@ -221,7 +221,8 @@ def test_cli_dry_run_prints_each_process_and_starts_nothing(tmp_path):
     out = res.stdout
     assert "2 GPU(s) (--gpus)" in out and "nothing is started" in out and not logs.exists()
     commands = [shlex.split(ln) for ln in out.splitlines() if ln.startswith("  ") and "launch" in ln]
-    assert [c[2] for c in commands] == ["sglang.launch_server", "sglang.launch_server", "smg.launch_router"]
+    # the router with its admin key set in-process (keys.Scope.ADMIN on loopback)
+    assert [c[2] for c in commands] == ["sglang.launch_server", "sglang.launch_server", "sglang_disagg.launch.smg_router"]
     cfg, _ = parse(["--role", "all", "--device", "cuda", "--gpus", "2", "--model-path", "tiny-llama",
                     "--log-dir", str(logs), "--port", "31000"])
     cfg = dataclasses.replace(cfg, secret_file=str(logs / "secret"))  # --role all makes it there at start
