@@ -12,6 +12,9 @@ every later arrival for it is discarded, and the tag cannot be expected again. W
 failed request that land late therefore never count toward another request. The retired
 set is bounded (oldest forgotten first): callers issue tags from a 32-bit counter, so a
 tag comes back only after 2**32 newer ones.
+
+Credits for tags nobody expects (yet) are bounded too, at EARLY_MAX tags, the least recently
+credited dropped first and counted (`early_credits_dropped`); see EARLY_MAX.
 """
 
 from __future__ import annotations
@@ -45,6 +48,14 @@ class _Expectation:
 
 
 RETIRED_MAX = 1 << 16
+# Tags holding credits with no expectation, at most. Credits legitimately come first: a
+# receiver registers its expectation after it sent the order, and a fast sender's writes
+# (their immediates counted on a progress thread) can land before that. But writes for tags
+# never expected (a peer holding the secret writing with made-up immediates, a stray sender)
+# would otherwise be held for ever. An early credit is claimed within an order's round trip,
+# so the least recently credited tags are the ones dropped (and counted); a dropped tag's
+# expectation, if one ever comes, misses its deadline like one whose writes were lost.
+EARLY_MAX = 1 << 16
 
 
 class ExpectTracker:
@@ -54,6 +65,8 @@ class ExpectTracker:
         self._counts: dict[int, int] = {}
         self._retired: OrderedDict[int, None] = OrderedDict()
         self.late_writes_dropped = 0
+        self._early: OrderedDict[int, None] = OrderedDict()  # tags in _counts, not in _waiting; LRU first
+        self.early_credits_dropped = 0
         self._waiting: dict[int, _Expectation] = {}
         self._deadlines: list[tuple[float, int, int]] = []  # (deadline, tag, seq)
         self._closed: BaseException | None = None
@@ -94,6 +107,7 @@ class ExpectTracker:
                 fire = True
             else:
                 self._waiting[tag] = exp
+                self._early.pop(tag, None)
                 heapq.heappush(self._deadlines, (exp.deadline, tag, exp.seq))
                 self._wake.notify()
                 fire = False
@@ -110,7 +124,10 @@ class ExpectTracker:
             total = self._counts.get(tag, 0) + n
             self._counts[tag] = total
             exp = self._waiting.get(tag)
-            if exp is None or total < exp.count:
+            if exp is None:
+                self._hold_early(tag)
+                return
+            if total < exp.count:
                 return
             del self._waiting[tag]
             self._consume(tag, exp.count)
@@ -124,6 +141,7 @@ class ExpectTracker:
         """Drop the unclaimed count of a tag nobody will expect."""
         with self._lock:
             self._counts.pop(tag, None)
+            self._early.pop(tag, None)
 
     def retire(self, tag: int, reason: str = "cancelled") -> None:
         """Give up on `tag`: a pending expectation fails with TransferError(reason), and
@@ -174,6 +192,7 @@ class ExpectTracker:
             pending = list(self._waiting.values())
             self._waiting.clear()
             self._counts.clear()
+            self._early.clear()
             self._watches.clear()
             self._wake.notify()
         for e in pending:
@@ -188,11 +207,25 @@ class ExpectTracker:
             return len(self._waiting)
 
     def _consume(self, tag: int, n: int) -> None:
+        """An expectation of `tag` fired (none waits for it any more): what it leaves is early."""
         left = self._counts.get(tag, 0) - n
         if left > 0:
             self._counts[tag] = left
+            self._hold_early(tag)
         else:
             self._counts.pop(tag, None)
+            self._early.pop(tag, None)
+
+    def _hold_early(self, tag: int) -> None:
+        """`tag` holds credits nobody expects yet: keep it, within EARLY_MAX tags."""
+        self._early[tag] = None
+        self._early.move_to_end(tag)
+        while len(self._early) > EARLY_MAX:
+            old, _ = self._early.popitem(last=False)
+            if not self.early_credits_dropped:
+                log.warning("credits for more than %d tags nobody expects: dropping the least recent "
+                            "(counted in early_credits_dropped)", EARLY_MAX)
+            self.early_credits_dropped += self._counts.pop(old, 0)
 
     def _drop(self, e: _Expectation) -> None:
         del self._waiting[e.tag]
@@ -200,6 +233,7 @@ class ExpectTracker:
 
     def _retire(self, tag: int) -> None:
         self._counts.pop(tag, None)
+        self._early.pop(tag, None)
         self._retired[tag] = None
         while len(self._retired) > RETIRED_MAX:
             self._retired.popitem(last=False)

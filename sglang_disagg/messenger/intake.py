@@ -6,6 +6,12 @@ Control thread: on_message() answers first contact (Welcome or Refuse) and refus
 at once; everything that touches the scheduler is queued. Scheduler thread (leader):
 drain() takes the queue, plus one CancelTicket per order of every decoder lost since the
 last look. Nothing here touches SGLang.
+
+Bounded: the decoder tables hold one key per live control connection that said Hello (a
+second Hello on a connection replaces its key), a lost connection's key is forgotten once
+the cancels of its orders are out (drain), and at most MAX_DECODERS keys live at once: a
+Hello beyond that is refused. A peer holding the secret, or decoders restarting for months,
+cannot grow them.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from .node import Node
 from .planner import ShardPlan, pages_for
 
 logger = logging.getLogger("sglang_disagg.messenger")
+MAX_DECODERS = 4096  # distinct live decoder keys (connection x DP group) one prefill group serves
 
 
 class Intake:
@@ -32,11 +39,14 @@ class Intake:
         # A DP prefill server: every group hears each Hello (it writes into that decoder),
         # group 0 alone answers it (the decoder awaits one Welcome or Refuse).
         self.answers = node.group == 0
+        # peers and _keys are inverse maps (one key per connection, one connection per key).
+        # The control thread adds, the scheduler thread (drain) forgets: both under _lock.
+        self._lock = threading.Lock()
         self.peers: dict[str, Any] = {}             # decoder key -> control peer
         self._keys: dict[Any, str] = {}              # control peer -> decoder key, from its Hello
         self._inbox: collections.deque[MessengerInput] = collections.deque()
         self._capacity: dict[str, int] = {}          # decoder key -> pages its regions hold
-        self._lost: dict[str, Any] = {}              # decoder key -> the lost peer already handled
+        self._replaced: list[str] = []               # keys a connection's later Hello replaced: to cancel
         self._hold = HoldOrders.from_env()           # test fault: some orders wait before they are taken
 
     def on_message(self, peer: Any, msg: wire.Message) -> None:  # control thread
@@ -47,7 +57,7 @@ class Intake:
             if not reasons:
                 try:
                     ShardPlan.build(self.node.view.geometry, self.tp, msg.kv.tp)
-                    self._capacity[key] = compat.decoder_pages(self.node.view.geometry, msg)
+                    reasons = self._join(peer, key, msg, compat.decoder_pages(self.node.view.geometry, msg))
                 except ValueError as e:
                     reasons.append(str(e))
             if reasons:
@@ -55,31 +65,61 @@ class Intake:
                     logger.error("messenger: refused decoder %s: %s", msg.decoder, "; ".join(reasons))
                     peer.send(wire.encode(wire.Refuse(prefill=self.node.name, reason="; ".join(reasons))))
                 return
-            self.peers[key], self._keys[peer] = peer, key
-            self._inbox.append(DecoderJoined(key, msg))
             if self.answers:
                 peer.send(wire.encode(wire.Welcome(prefill=self.node.name, kv=self.node.spec, ranks=tuple(
                     wire.RankEndpoint(r.rank, r.address, r.instance, ()) for r in self.node.endpoints))))
         elif isinstance(msg, wire.PrefillOrder):
-            key = self._keys.get(peer, "")
-            problem = self.check_order(key, msg)
+            held = self._hold is not None and msg.rid.startswith(self._hold.prefix)
+            with self._lock:  # checked and queued at once: drain cannot forget the key in between
+                key = self._keys.get(peer, "")
+                problem = self.check_order(key, msg)
+                if not problem and not held:
+                    self._inbox.append(OrderTicket(key, msg))
             if problem:
                 self.node.order_done(peer.id, msg.tag)
                 peer.send(wire.encode(wire.OrderFailed(rid=msg.rid, tag=msg.tag, reason=problem,
                                                                 blame=wire.Blame.ORDER)))
                 return
-            if self._hold is not None and msg.rid.startswith(self._hold.prefix):
+            if held:
                 timer = threading.Timer(self._hold.seconds, self._take_held, args=(OrderTicket(key, msg),))
                 timer.daemon = True
                 timer.start()
                 return
-            self._inbox.append(OrderTicket(key, msg))
         elif isinstance(msg, wire.Cancel):
-            self._inbox.append(CancelTicket(self._keys.get(peer, ""), msg.tag))
+            with self._lock:
+                self._inbox.append(CancelTicket(self._keys.get(peer, ""), msg.tag))
         else:
             logger.warning("messenger: unexpected %s from %s", type(msg).__name__, peer.address)
             return
         self.node.wakeup.set()
+
+    def _join(self, peer: Any, key: str, hello: wire.Hello, capacity: int) -> list[str]:
+        """Record a Hello that passed the checks (control thread); why it is refused if not."""
+        with self._lock:
+            old = self._keys.get(peer)
+            replaces = old is not None and old != key
+            if key not in self.peers and len(self.peers) - replaces >= MAX_DECODERS:
+                return [(f"this prefill server already serves {MAX_DECODERS} decoders (MAX_DECODERS, one per "
+                         "control connection): retry later or use another prefill server")]
+            if replaces:
+                # One key per connection: the old one's orders are cancelled at the next drain,
+                # as a lost decoder's; nothing addressed to it reaches the connection any more.
+                self._forget(old)
+                self._replaced.append(old)
+            holder = self.peers.get(key)
+            if holder is not None and holder is not peer:
+                # The decoder connected again (the old connection lost or not): the key follows
+                # the new connection; the old one's orders are refused as before any Hello.
+                self._keys.pop(holder, None)
+            self.peers[key], self._keys[peer], self._capacity[key] = peer, key, capacity
+            self._inbox.append(DecoderJoined(key, hello))
+        return []
+
+    def _forget(self, key: str) -> None:  # under _lock
+        peer = self.peers.pop(key, None)
+        if peer is not None and self._keys.get(peer) == key:
+            del self._keys[peer]
+        self._capacity.pop(key, None)
 
     def _take_held(self, ticket: OrderTicket) -> None:  # timer thread (test fault)
         self._inbox.append(ticket)
@@ -88,7 +128,8 @@ class Intake:
     def check_order(self, key: str, o: wire.PrefillOrder) -> str:
         """Why this order must be refused before anything is computed or written ("" if not)."""
         ps = self.node.page_size
-        if key not in self.peers:
+        capacity = self._capacity.get(key)
+        if key not in self.peers or capacity is None:
             return "no Hello from this decoder yet"
         if not o.token_ids:
             return "an order needs at least one token"
@@ -99,8 +140,8 @@ class Intake:
             return f"start_page {o.start_page} beyond the order's {len(o.dst_pages)} pages"
         if o.tag >= 1 << 32:
             return f"tag {o.tag} does not fit 32 bits"
-        if o.dst_pages and max(o.dst_pages) >= self._capacity[key]:
-            return f"page id {max(o.dst_pages)} outside the decoder's {self._capacity[key]} pages"
+        if o.dst_pages and max(o.dst_pages) >= capacity:
+            return f"page id {max(o.dst_pages)} outside the decoder's {capacity} pages"
         if max(o.token_ids) >= self.vocab:
             return f"token id {max(o.token_ids)} outside the model's vocabulary of {self.vocab}"
         # The prompt's last token: a speculative draft's forward embeds it (prefill.py), so an id
@@ -111,29 +152,29 @@ class Intake:
 
     def drain(self, open_tags: Callable[[str], Iterable[int]]) -> list[MessengerInput]:
         """Queued inputs, then a cancel for every order (`open_tags(key)`, or just queued) of
-        each decoder lost since the last look."""
-        out = []
-        while self._inbox:
-            out.append(self._inbox.popleft())
-        for key in self._lost_decoders():
-            # After the orders just taken from the inbox, so their tickets exist when these apply.
-            tags = set(open_tags(key)) | {i.order.tag for i in out if isinstance(i, OrderTicket) and i.key == key}
-            logger.warning("messenger: decoder %s lost: cancelling its %d order(s)", key[:12], len(tags))
-            out += [CancelTicket(key, tag) for tag in sorted(tags)]
+        each decoder lost (or replaced by its connection's later Hello) since the last look;
+        such a decoder's key is forgotten here, its cancels being out."""
+        with self._lock:
+            out: list[MessengerInput] = list(self._inbox)
+            self._inbox.clear()
+            gone = [(key, "lost") for key, peer in self.peers.items() if peer.state is not PeerState.CONNECTED]
+            gone += [(key, "replaced by a later Hello on its connection") for key in self._replaced]
+            self._replaced.clear()
+            for key, why in gone:
+                # After the orders just taken from the inbox, so their tickets exist when these apply.
+                tags = set(open_tags(key)) | {i.order.tag for i in out
+                                              if isinstance(i, OrderTicket) and i.key == key}
+                logger.warning("messenger: decoder %s %s: cancelling its %d order(s)", key[:12], why, len(tags))
+                out += [CancelTicket(key, tag) for tag in sorted(tags)]
+                if why == "lost":
+                    self._forget(key)
         return out
 
-    def _lost_decoders(self) -> list[str]:
-        lost = []
-        for key, peer in list(self.peers.items()):
-            if peer.state is not PeerState.CONNECTED and self._lost.get(key) is not peer:
-                self._lost[key] = peer
-                lost.append(key)
-        return lost
-
     def pending(self) -> bool:
-        """Inputs queued, or a decoder lost and not cancelled yet."""
-        return bool(self._inbox) or any(p.state is not PeerState.CONNECTED and self._lost.get(k) is not p
-                                        for k, p in list(self.peers.items()))
+        """Inputs queued, or a decoder lost (or replaced) and not cancelled yet."""
+        with self._lock:
+            return bool(self._inbox or self._replaced) or any(
+                p.state is not PeerState.CONNECTED for p in self.peers.values())
 
     def send(self, key: str, msg: wire.Message) -> None:
         """To the decoder's control connection; a decoder that is gone needs no answer."""

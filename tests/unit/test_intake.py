@@ -3,15 +3,19 @@ computed, and the cancels a lost decoder's orders get."""
 
 from __future__ import annotations
 
+import collections
+import logging
 import threading
 import types
 
 import pytest
 
 from sglang_disagg.backends import PeerState
+from sglang_disagg.backends.regions import RegionDescriptor
 from sglang_disagg.messenger import wire
 from sglang_disagg.messenger.inputs import CancelTicket, OrderTicket
-from sglang_disagg.messenger.intake import Intake
+from sglang_disagg.messenger.intake import MAX_DECODERS, Intake
+from sglang_disagg.messenger.planner import Kind, KVGeometry
 
 
 class FakePeer:
@@ -79,3 +83,114 @@ def test_a_lost_decoder_gets_one_cancel_per_open_or_queued_order_once():
     assert [type(i) for i in got] == [OrderTicket, CancelTicket, CancelTicket]
     assert sorted(i.tag for i in got[1:]) == [5, 8]
     assert not intake.pending() and intake.drain(lambda key: [5]) == []  # handled once per lost connection
+
+
+# Bounded tables: Hellos through the real intake ------------------------------------------
+GEOMETRY = KVGeometry(num_layers=1, kv_heads=1, head_dim=8, v_head_dim=8, page_size=16, dtype_bytes=4)
+KV = wire.KVSpec(model="m", fingerprint="f", num_layers=1, kv_heads=1, head_dim=8, v_head_dim=8, page_size=16,
+                 dtype="float32", layout="hnd", tp=1)
+REGION = RegionDescriptor(1, "shmem", "", "d", 0, 64 * GEOMETRY.page_bytes(Kind.K, 1), 0, 0).to_bytes().decode()
+
+
+def hello(group: int = 0) -> wire.Hello:
+    return wire.Hello(decoder="d", backend="shmem", provider="", kv=KV, group=group,
+                      ranks=(wire.RankEndpoint(0, "127.0.0.1:1", "d", (REGION, REGION)),))
+
+
+def real_intake() -> Intake:
+    node = types.SimpleNamespace(page_size=16, wakeup=threading.Event(), group=0, order_done=lambda *a: None,
+                                 spec=KV, view=types.SimpleNamespace(geometry=GEOMETRY), name="p", endpoints=[])
+    return Intake(node, tp=1, vocab=4096)
+
+
+class Scheduler:
+    """What the scheduler keeps of the intake's inputs: each decoder's open orders."""
+
+    def __init__(self, intake: Intake) -> None:
+        self.intake, self.open = intake, collections.defaultdict(set)
+
+    def step(self) -> list:
+        got = self.intake.drain(lambda key: set(self.open.get(key, ())))
+        for i in got:
+            if isinstance(i, OrderTicket):
+                self.open[i.key].add(i.order.tag)
+            elif isinstance(i, CancelTicket):
+                self.open[i.key].discard(i.tag)
+                if not self.open[i.key]:
+                    del self.open[i.key]
+        return got
+
+
+def assert_empty(intake: Intake) -> None:
+    assert (intake.peers, intake._keys, intake._capacity, intake._replaced, list(intake._inbox)) == ({}, {}, {}, [], [])
+    assert not intake.pending()
+
+
+def test_decoders_that_come_and_go_leave_nothing_behind(caplog):
+    caplog.set_level(logging.ERROR, "sglang_disagg.messenger")
+    intake = real_intake()
+    sched = Scheduler(intake)
+    orders = 0
+    for i in range(10_000):
+        peer = FakePeer(f"decoder-{i}")
+        intake.on_message(peer, hello(group=i % 3))
+        assert isinstance(peer.sent[-1], wire.Welcome)
+        if i % 2:
+            intake.on_message(peer, order(tag=i))
+            orders += 1
+            if i % 4 == 1:
+                sched.step()  # the order is open in the scheduler when its decoder goes
+        peer.state = PeerState.LOST if i % 5 else PeerState.CLOSED
+        if i % 7 == 0:
+            sched.step()
+    sched.step()
+    assert_empty(intake)
+    assert sched.open == {}  # every order of every decoder was cancelled
+    assert orders == 5_000
+
+
+def test_hellos_on_one_connection_keep_one_key(caplog):
+    caplog.set_level(logging.ERROR, "sglang_disagg.messenger")
+    intake = real_intake()
+    sched = Scheduler(intake)
+    peer = FakePeer("d1")
+    intake.on_message(peer, hello(group=0))
+    intake.on_message(peer, order(tag=3))
+    sched.step()
+    assert sched.open == {"d1/0": {3}}
+    for g in range(1, 10_001):
+        intake.on_message(peer, hello(group=g))
+        if g % 1000 == 0:
+            sched.step()
+    assert list(intake.peers) == ["d1/10000"] and intake._keys == {peer: "d1/10000"}
+    assert list(intake._capacity) == ["d1/10000"]
+    sched.step()
+    assert sched.open == {} and intake._replaced == []  # the first key's order was cancelled
+    intake.on_message(peer, order(tag=4))
+    assert [i.key for i in sched.step()] == ["d1/10000"]
+    assert all(isinstance(m, wire.Welcome) for m in peer.sent)
+
+
+def test_a_decoder_beyond_max_decoders_is_refused_with_the_reason():
+    intake = real_intake()
+    sched = Scheduler(intake)
+    peers = [FakePeer(f"decoder-{i}") for i in range(MAX_DECODERS + 1)]
+    for p in peers:
+        intake.on_message(p, hello())
+    assert all(isinstance(p.sent[-1], wire.Welcome) for p in peers[:MAX_DECODERS])
+    refused = peers[-1].sent[-1]
+    assert isinstance(refused, wire.Refuse) and f"already serves {MAX_DECODERS} decoders (MAX_DECODERS" in refused.reason
+    assert len(intake.peers) == MAX_DECODERS and peers[-1] not in intake._keys
+    intake.on_message(peers[-1], order())
+    assert "no Hello" in peers[-1].sent[-1].reason
+    # A known decoder connecting again, or saying Hello again, is not a new one.
+    again = FakePeer("decoder-0")
+    intake.on_message(again, hello())
+    intake.on_message(peers[1], hello())
+    assert isinstance(again.sent[-1], wire.Welcome) and isinstance(peers[1].sent[-1], wire.Welcome)
+    assert len(intake.peers) == MAX_DECODERS and peers[0] not in intake._keys
+    # Once one goes, the next is welcome.
+    peers[1].state = PeerState.LOST
+    sched.step()
+    intake.on_message(peers[-1], hello())
+    assert isinstance(peers[-1].sent[-1], wire.Welcome) and len(intake.peers) == MAX_DECODERS

@@ -1,0 +1,62 @@
+"""The expectation tracker holds credits for tags nobody expects within a bound: a peer
+writing with made-up immediates cannot grow it, and a credit that merely comes first
+(before its expectation is registered) still completes it."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from sglang_disagg.backends.expect import EARLY_MAX, ExpectTracker
+
+
+@pytest.fixture
+def tracker():
+    t = ExpectTracker()
+    yield t
+    t.close()
+
+
+def held(t: ExpectTracker) -> int:
+    return len(t._counts)
+
+
+def test_credits_for_tags_never_expected_are_bounded(tracker, caplog):
+    caplog.set_level(logging.WARNING, "sglang_disagg.backends.expect")
+    partial = tracker.expect(1 << 31, 2, 30.0)  # waiting: its credits are never dropped
+    tracker.add(1 << 31)
+    for tag in range(100_000):
+        tracker.add(tag)
+    assert held(tracker) <= EARLY_MAX + 1 and len(tracker._early) <= EARLY_MAX
+    assert tracker.early_credits_dropped == 100_000 - EARLY_MAX
+    assert tracker.arrived(0) == 0 and tracker.arrived(99_999) == 1  # the least recent went first
+    assert sum("early_credits_dropped" in r.getMessage() for r in caplog.records) == 1  # said once
+    tracker.add(1 << 31)
+    assert partial.wait(1.0) == 2
+    # A credit just before its expectation still completes it, however many came before.
+    tracker.add(200_000, 2)
+    assert tracker.expect(200_000, 2, 1.0).wait(0) == 2
+    assert held(tracker) <= EARLY_MAX and tracker.arrived(200_000) == 0
+
+
+def test_a_tag_credited_again_is_kept_as_recent(tracker):
+    tracker.add(7)
+    for tag in range(1000, 1000 + EARLY_MAX - 1):
+        tracker.add(tag)
+    tracker.add(7)                       # 7 is now the most recently credited
+    tracker.add(5_000_000)               # one over the bound: 1000 goes, not 7
+    assert tracker.arrived(7) == 2 and tracker.arrived(1000) == 0 and tracker.early_credits_dropped == 1
+    assert tracker.expect(7, 2, 1.0).wait(0) == 2
+
+
+def test_surplus_left_by_an_expectation_is_an_early_credit(tracker):
+    fut = tracker.expect(3, 1, 1.0)
+    tracker.add(3, 3)
+    assert fut.wait(1.0) == 1 and tracker.arrived(3) == 2 and list(tracker._early) == [3]
+    assert tracker.expect(3, 2, 1.0).wait(0) == 2 and not tracker._early and held(tracker) == 0
+    tracker.add(4)
+    tracker.forget(4)
+    tracker.add(5)
+    tracker.retire(5)
+    assert not tracker._early and held(tracker) == 0
