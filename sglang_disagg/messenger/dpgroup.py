@@ -11,11 +11,15 @@ the server's one transfer backend (dpowner.py), the others reach it (dpproxy.py)
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
+from ..backends import auth
 from .dataparallel import resolved
-from .groupwire import socket_name
+from .groupwire import printable, socket_name
+
+logger = logging.getLogger("sglang_disagg.messenger")
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,7 +33,14 @@ class Place:
 
     @property
     def owner_socket(self) -> str:
-        return socket_name(self.key)
+        """The owner's socket, named after the deployment's secret (every group of the
+        server reads the same from its environment; group 0 requires it before it listens)."""
+        secret = auth.load_secret()
+        name = socket_name(self.key, secret)
+        if secret is None:
+            logger.warning("messenger: no shared secret set: the DP owner socket has the predictable name %s "
+                           "(another local user could take it first)", printable(name))
+        return name
 
     @classmethod
     def of(cls, scheduler: Any, role: str) -> Place:

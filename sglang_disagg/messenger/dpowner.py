@@ -11,15 +11,30 @@ here as the TP ranks' are (node.py).
 Who gets a peer's control message (the owner's control thread reads them all, `dispatch`):
 - decode: the group that opened the connection it came on (each group keeps its own links
   to the prefill servers, its own Hello naming its group and its pool);
-- prefill: a Hello goes to every group (each must know the decoder's regions; group 0
-  alone answers), an order to the group with the fewest orders outstanding (ties: the
+- prefill: a Hello goes to every joined group (each must know the decoder's regions; group 0
+  alone answers; a group joining later hears it as it joins), an order to the group with the fewest orders outstanding (ties: the
   lowest group), a cancel to the group that took the order, anything else to group 0.
 Peer states are mirrored to the groups using them (polled every STATE_POLL_S).
+
+A group must take each message the owner sends it (deliveries, replies, Done from backend
+threads, peer states) within SEND_TIMEOUT_S: one stopped or stuck group must not stall the
+control thread, the backend's completion threads and with them the whole server. Past it
+the group is dropped (logged once): its channel is closed, nothing more is dispatched to it
+(it finds its owner gone when it wakes, and stops). An order whose delivery to it failed
+never reached it: it is failed back to its decoder at once (OrderFailed, blamed on this
+server) and forgotten here. Orders the group already held are NOT failed here: writes it
+posted may still land in the decoder's pages, so the decoder keeps them until its transfer
+deadline fails them (a Cancel for one is dropped, as to any group not connected).
+
+The socket's name comes from the deployment's secret (groupwire.socket_name): a name
+already taken stops the owner ("is taken"); a group checks the listener's user before it
+sends, the owner each connecting group's (`admitted`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import logging
 import os
@@ -29,7 +44,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import shm
-from ..backends.errors import PeerLostError
+from ..backends.errors import PeerLostError, TransferError
 from ..backends.regions import HOST, PeerState
 from ..threads import Thread as NamedThread
 from . import groupwire as gw, wire
@@ -37,6 +52,7 @@ from .config import MessengerRole
 
 logger = logging.getLogger("sglang_disagg.messenger")
 STATE_POLL_S = 0.05  # a lost peer must reach the groups within the links' 2 s promise
+SEND_TIMEOUT_S = 1.8  # a group that takes no message for this long is dropped, as a silent peer is
 
 
 class Owner:
@@ -61,8 +77,17 @@ class Owner:
         self._orders: dict[tuple[str, int], int] = {}  # (decoder instance, tag) -> group
         self._stop = threading.Event()
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(path)
-        self._listener.listen(groups)
+        try:
+            self._listener.bind(path)
+            self._listener.listen(groups)
+        except OSError as e:
+            self._listener.close()
+            if e.errno == errno.EADDRINUSE:
+                raise TransferError(f"the DP owner socket {gw.printable(path)} is taken: another process of this "
+                                    "host listens on it (an earlier server on this port still running, or another "
+                                    "user who bound the name first); the groups would reach it, not this "
+                                    "server") from e
+            raise TransferError(f"cannot listen on the DP owner socket {gw.printable(path)}: {e}") from e
         self._threads = [NamedThread(target=self._accept, name="dp-owner-accept", daemon=True),
                          NamedThread(target=self._watch, name="dp-owner-watch", daemon=True)]
         for t in self._threads:
@@ -73,9 +98,9 @@ class Owner:
         if self.role is MessengerRole.DECODE:
             targets = [self._opened_by.get(id(peer), 0)]
         elif isinstance(msg, wire.Hello):
-            with self._lock:  # a group joining later hears it then (_serve)
+            with self._lock:  # a group joining later hears it then (_serve); a dropped one, never
                 self._hellos[id(peer)] = (peer, raw)
-            targets = list(range(self.groups))
+                targets = [0, *sorted(self._conns)]
         elif isinstance(msg, wire.PrefillOrder):
             with self._lock:
                 live = [g for g in range(self.groups) if g == 0 or g in self._conns]
@@ -93,18 +118,49 @@ class Owner:
                     self.local(peer, msg)
                 continue
             conn = self._conns.get(g)
-            if conn is None:
+            if conn is None:  # an order: its group was dropped since it was chosen
                 logger.warning("messenger: DP group %d is not connected: %s from %s dropped", g,
                                type(msg).__name__, peer.address)
+                if isinstance(msg, wire.PrefillOrder):
+                    self._undeliverable(peer, msg, g, ConnectionError(f"DP group {g} is not connected"))
                 continue
-            with contextlib.suppress(OSError):
+            try:
                 conn.send(gw.Delivery(self._pid(peer, g), peer.id, peer.address, raw.decode()))
+            except OSError as e:
+                self._drop(g, conn, e)
+                if isinstance(msg, wire.PrefillOrder):
+                    self._undeliverable(peer, msg, g, e)
 
     def order_done(self, instance: str, tag: int) -> None:
         with self._lock:
             g = self._orders.pop((instance, tag), None)
             if g is not None:
                 self.outstanding[g] -= 1
+
+    def _undeliverable(self, peer: Any, order: wire.PrefillOrder, g: int, err: Exception) -> None:
+        """An order that never reached group `g`: forgotten here, failed to its decoder."""
+        with self._lock:
+            if self._orders.get((peer.id, order.tag)) == g:
+                del self._orders[(peer.id, order.tag)]
+                self.outstanding[g] -= 1
+        reason = f"DP group {g} of the prefill server could not take the order: {err}"
+        try:
+            peer.send(wire.encode(wire.OrderFailed(rid=order.rid, tag=order.tag, reason=reason,
+                                                   blame=wire.Blame.SERVER)))
+        except Exception as e:  # noqa: BLE001 - a lost decoder fails the order at its own end
+            logger.warning("messenger: could not fail order %s back to %s: %s", order.rid, peer.address, e)
+
+    def _drop(self, g: int, chan: gw.Channel, err: OSError) -> None:
+        """Group `g` did not take a message in time (or its connection broke): close its
+        channel and dispatch nothing more to it; logged once per group."""
+        with self._lock:
+            first = self._conns.get(g) is chan
+            if first:
+                del self._conns[g]
+        if first:
+            logger.error("messenger: DP group %d dropped: it did not take the owner's messages (%s); its new "
+                         "orders go to the other groups, those it held end at their decoders' deadlines", g, err)
+        chan.close()
 
     # ----- group connections ------------------------------------------------------------------
     def _accept(self) -> None:
@@ -118,7 +174,8 @@ class Owner:
                 logger.error("messenger: refused a connection to the DP owner socket: %s", refused)
                 sock.close()
                 continue
-            NamedThread(target=self._serve, args=(gw.Channel(sock),), name="dp-owner-group", daemon=True).start()
+            NamedThread(target=self._serve, args=(gw.Channel(sock, SEND_TIMEOUT_S),), name="dp-owner-group",
+                        daemon=True).start()
 
     def _serve(self, chan: gw.Channel) -> None:
         try:
@@ -132,14 +189,20 @@ class Owner:
             chan.close()
             return
         g = join.group
-        with self._lock:
-            # Decoders that said Hello before this group joined: it hears them before any order
-            # can reach it (orders go to joined groups only, and it joins under this lock).
-            for peer, raw in self._hellos.values():
-                if peer.state is PeerState.CONNECTED:
-                    self._reply(chan, gw.Delivery(self._pid_locked(peer, g), peer.id, peer.address, raw.decode()))
-            self._conns[g] = chan
-            self._regions.setdefault(g, [])
+        try:
+            with self._lock:
+                # Decoders that said Hello before this group joined: it hears them before any order
+                # can reach it (orders go to joined groups only, and it joins under this lock; a
+                # group that takes none holds it SEND_TIMEOUT_S at most, the first failure ending it).
+                for peer, raw in self._hellos.values():
+                    if peer.state is PeerState.CONNECTED:
+                        chan.send(gw.Delivery(self._pid_locked(peer, g), peer.id, peer.address, raw.decode()))
+                self._conns[g] = chan
+                self._regions.setdefault(g, [])
+        except OSError as e:
+            logger.error("messenger: DP group %d did not take the decoders' Hellos as it joined: %s", g, e)
+            chan.close()
+            return
         logger.info("messenger: DP group %d joined the server's messenger", g)
         while not self._stop.is_set():
             try:
@@ -151,7 +214,8 @@ class Owner:
                     else:
                         self._call(chan, g, call)
             except (EOFError, OSError, gw.GroupWireError) as e:
-                logger.error("messenger: DP group %d left: %s", g, e)
+                if self._conns.get(g) is chan:  # not when dropped (_drop said why)
+                    logger.error("messenger: DP group %d left: %s", g, e)
                 break
             except Exception:  # noqa: BLE001 - this group's connection ends, the owner's other threads go on
                 logger.exception("messenger: DP group %d: dropped its connection to the owner", g)
@@ -167,24 +231,27 @@ class Owner:
         except Exception as e:  # noqa: BLE001 - the group gets the error as its backend would raise it
             if call.id:
                 cause = type(e.__cause__).__name__ if e.__cause__ is not None else ""
-                self._reply(chan, gw.Reply(call.id, None, str(e) or type(e).__name__, type(e).__name__, cause))
+                self._reply(chan, gw.Reply(call.id, None, str(e) or type(e).__name__, type(e).__name__, cause), g)
             elif "future" in call.args:
-                self._reply(chan, gw.Done(call.args["future"], str(e) or type(e).__name__, type(e).__name__))
+                self._reply(chan, gw.Done(call.args["future"], str(e) or type(e).__name__, type(e).__name__), g)
             else:
                 logger.warning("messenger: DP group %d: %s failed: %s", g, call.op, e)
             return
         if call.id:
-            self._reply(chan, gw.Reply(call.id, result))
+            self._reply(chan, gw.Reply(call.id, result), g)
 
-    @staticmethod
-    def _reply(chan: gw.Channel, msg: gw.Message) -> None:
-        with contextlib.suppress(OSError):
+    def _reply(self, chan: gw.Channel, msg: gw.Message, g: int) -> None:
+        """Send `msg` to group `g` (its own thread, the control thread, backend threads): a
+        group that does not take it in time is dropped."""
+        try:
             chan.send(msg)
+        except OSError as e:
+            self._drop(g, chan, e)
 
-    def _done(self, chan: gw.Channel, fid: int, fut: Any) -> None:  # backend thread
+    def _done(self, chan: gw.Channel, g: int, fid: int, fut: Any) -> None:  # backend thread
         err = fut.exception()
         self._reply(chan, gw.Done(fid) if err is None else gw.Done(fid, str(err) or type(err).__name__,
-                                                                     type(err).__name__))
+                                                                     type(err).__name__), g)
 
     # ----- operations (named after groupwire.Op) -------------------------------------------------
     def _op_register(self, chan, g, path, offset, inode, dev, target, length):
@@ -217,11 +284,11 @@ class Owner:
             raise PeerLostError(f"the peer of remote region {dst} is gone")
         fut = self.backend.write_pages(self._peer(peer), self._regions[g][src], src_pages, src_stride,
                                        remote[1], dst_pages, dst_stride, length, imm, src_offset, dst_offset)
-        fut.add_done_callback(lambda f: self._done(chan, future, f))
+        fut.add_done_callback(lambda f: self._done(chan, g, future, f))
 
     def _op_expect(self, chan, g, future, tag, count, timeout_s, peers):
         fut = self.backend.expect(tag, count, timeout_s, None if peers is None else set(peers))
-        fut.add_done_callback(lambda f: self._done(chan, future, f))
+        fut.add_done_callback(lambda f: self._done(chan, g, future, f))
 
     def _op_retire(self, chan, g, tag, reason):
         self.backend.retire(tag, reason)
@@ -282,7 +349,7 @@ class Owner:
             for pid, state, users in changed:
                 for g in users:
                     if g in conns:
-                        self._reply(conns[g], gw.PeerState(pid, state.value))
+                        self._reply(conns[g], gw.PeerState(pid, state.value), g)
 
     def close(self) -> None:
         self._stop.set()

@@ -9,9 +9,14 @@ messages the owner gives this group arrive as Delivery and are read by recv(). E
 their backends.errors class (and a refused connection its cause), so the messenger tells a
 lost peer from a refused one as it does with a real backend.
 
-The owner gone (its process died): every pending call and future fails with PeerLostError,
-every peer is LOST and recv() raises, so the group's requests fail with the reason at once
-and the server reports unhealthy (Node.health).
+The owner gone (its process died, or it dropped this group for not taking its messages in
+time, e.g. a stopped process that wakes up): every pending call and future fails with
+PeerLostError, every peer is LOST and recv() raises, so the group's requests fail with the
+reason at once and the server reports unhealthy (Node.health).
+
+Before sending anything the group checks who listens on the owner's socket: a process of
+another user (one that took the name first) is refused, naming its uid. Sends to the owner
+are bounded by CALL_TIMEOUT_S; an owner that takes nothing for that long is gone.
 """
 
 from __future__ import annotations
@@ -19,13 +24,14 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
 import queue
 import socket
 import threading
 import time
 from typing import Any
 
-from .. import shm
+from .. import fdpass, shm
 from ..backends import errors
 from ..backends.errors import DeadlineExceeded, PeerLostError, TransferError
 from ..backends.future import TransferFuture
@@ -66,7 +72,7 @@ class ProxyBackend:
     def __init__(self, path: str, group: int, deadline_s: float) -> None:
         self.group = group
         sock = _connect(path, deadline_s)
-        self._chan = gw.Channel(sock)
+        self._chan = gw.Channel(sock, CALL_TIMEOUT_S)
         self._chan.send(gw.Join(group))
         joined = self._chan.read()
         if not isinstance(joined, gw.Joined):
@@ -185,6 +191,11 @@ class ProxyBackend:
     def _send(self, msg: gw.Message) -> None:
         try:
             self._chan.send(msg)
+        except gw.SendTimeout as e:  # the stream is cut mid-frame: nothing more can go or come
+            why = f"the server's messenger owner (DP group 0) took nothing for {CALL_TIMEOUT_S:.0f} s: {e}"
+            self._fail_all(why)
+            self._chan.close()
+            raise PeerLostError(why) from e
         except OSError as e:
             raise PeerLostError(f"the server's messenger owner is gone: {e}") from e
 
@@ -268,15 +279,30 @@ def _error(type_name: str, message: str, cause: str = "") -> TransferError:
 
 
 def _connect(path: str, deadline_s: float) -> socket.socket:
-    """The owner starts in another process at the same time: retry until it listens."""
+    """The owner starts in another process at the same time: retry until it listens. The
+    listener must be of our own user (an abstract name has no permissions: another user
+    may have bound it first, to take the calls, prompts included): refused otherwise, before
+    a byte is sent."""
     deadline = time.monotonic() + deadline_s
     while True:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             s.connect(path)
-            return s
         except OSError as e:
             s.close()
             if time.monotonic() > deadline:
                 raise TransferError(f"no messenger owner (DP group 0) listening after {deadline_s:.0f} s: {e}") from e
             time.sleep(0.05)
+            continue
+        try:
+            cred = fdpass.peer_cred(s)
+        except OSError as e:
+            s.close()
+            raise TransferError(f"the DP owner socket {gw.printable(path)}: cannot read its listener's "
+                                f"credentials: {e}") from e
+        if cred.uid != os.getuid():
+            s.close()
+            raise TransferError(f"refused the DP owner socket {gw.printable(path)}: its listener (pid {cred.pid}) "
+                                f"runs as uid {cred.uid}, this server as uid {os.getuid()} (another user took the "
+                                "name; nothing was sent)")
+        return s

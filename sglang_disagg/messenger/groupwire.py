@@ -19,11 +19,14 @@ group's leader reaches it through these messages:
 from __future__ import annotations
 
 import enum
+import hashlib
+import hmac
 import json
 import reprlib
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any, ClassVar
@@ -168,17 +171,56 @@ _FIELDS = {cls: ({f.name: f.type for f in fields(cls)}, {f.name for f in fields(
            for cls in MESSAGES.values()}
 
 
-class Channel:
-    """One end of a group's socket: framed sends from any thread, reads from one."""
+class SendTimeout(TimeoutError):
+    """The other end did not take a message within the channel's send timeout (stopped,
+    or stuck): part of the frame may have gone, so the channel is of no further use."""
 
-    def __init__(self, sock: socket.socket) -> None:
+
+class Channel:
+    """One end of a group's socket: framed sends from any thread, reads from one.
+
+    With `send_timeout_s`, a send ends within that long of its call, the wait for another
+    thread's send included: past it the send raises SendTimeout (an OSError) and every later
+    send raises at once, the stream being cut mid-frame. The bound is per call, not per
+    syscall (SO_SNDTIMEO is set to what is left before each one: a reader taking a byte now
+    and then cannot stretch it). Reads stay blocking on their own thread."""
+
+    def __init__(self, sock: socket.socket, send_timeout_s: float | None = None) -> None:
         self.sock = sock
+        self.send_timeout_s = send_timeout_s
         self._send_lock = threading.Lock()
+        self._broken = ""
 
     def send(self, msg: Message) -> None:
         data = encode(msg)
-        with self._send_lock:
-            self.sock.sendall(data)
+        if self.send_timeout_s is None:
+            with self._send_lock:
+                self.sock.sendall(data)
+            return
+        deadline = time.monotonic() + self.send_timeout_s
+        if not self._send_lock.acquire(timeout=self.send_timeout_s):
+            raise self._break(f"another send on the channel held it past {self.send_timeout_s:g} s")
+        try:
+            if self._broken:
+                raise SendTimeout(self._broken)
+            view = memoryview(data)
+            while view:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise self._break(f"the other end took {len(data) - len(view)} of {len(data)} bytes "
+                                      f"in {self.send_timeout_s:g} s")
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(left))
+                try:
+                    view = view[self.sock.send(view):]
+                except BlockingIOError:  # SO_SNDTIMEO ran out with nothing taken
+                    raise self._break(f"the other end took {len(data) - len(view)} of {len(data)} bytes "
+                                      f"in {self.send_timeout_s:g} s") from None
+        finally:
+            self._send_lock.release()
+
+    def _break(self, why: str) -> SendTimeout:
+        self._broken = self._broken or f"a send timed out earlier: {why}"
+        return SendTimeout(why)
 
     def read(self) -> Message:
         """The next message; EOFError when the other end closed or died."""
@@ -204,6 +246,27 @@ class Channel:
         self.sock.close()
 
 
-def socket_name(key: str) -> str:
-    """The abstract socket of a server's owner (nothing on disk: gone with the process)."""
-    return f"\0sglang-disagg-dp/{key}"
+def socket_name(key: str, secret: bytes | None = None) -> str:
+    """The abstract socket of a server's owner (nothing on disk: gone with the process).
+    `key` names the server on its host (role and HTTP port). An abstract name has no
+    permissions and anyone can bind one first, so with the deployment's secret the name is
+    an HMAC of the key under it: a local user without the secret cannot tell the name in
+    advance (a squatter stops the owner, "is taken", and could receive a group's calls), and
+    every group of the server derives the same one. Without a secret (library use), the
+    key itself (the caller says so in its log). Both ends check each other's user anyway
+    (dpowner.admitted, dpproxy's connect)."""
+    if secret is None:
+        return f"\0sglang-disagg-dp/{key}"
+    digest = hmac.new(secret, b"sglang-disagg dp owner socket v1|" + key.encode(), hashlib.sha256).hexdigest()
+    return f"\0sglang-disagg-dp/{digest[:32]}"
+
+
+def printable(name: str) -> str:
+    """An abstract socket name as ss(8) and /proc/net/unix show it (@ for the NUL)."""
+    return "@" + name[1:] if name.startswith("\0") else name
+
+
+def _timeval(seconds: float) -> bytes:
+    """SO_SNDTIMEO's struct timeval; never 0 (which means no timeout at all)."""
+    us = max(1, int(seconds * 1e6))
+    return struct.pack("ll", us // 1_000_000, us % 1_000_000)
