@@ -13,7 +13,6 @@ from collections.abc import Callable
 from typing import Any
 
 from ..backends import BackendConfig, auth, create_backend
-from ..backends.base import TransferBackend
 from ..backends.regions import HOST, cuda
 from .. import cumem, handover, shm
 from . import compat, speculative, wire
@@ -25,6 +24,7 @@ from .kvpool import KVPoolView
 from .metrics import MessengerMetrics
 from .ranks import RankGroup
 from .reader import ControlReader
+from .transport import Transport
 from .wakeup import Wakeup
 
 logger = logging.getLogger("sglang_disagg.messenger")
@@ -69,7 +69,7 @@ class Node:
                 fds = inbox.collect({r: backings[r] for r in range(1, self.ranks.size)})
             finally:
                 inbox.close()
-        self.backend: TransferBackend | ProxyBackend | None = None
+        self.backend: Transport | None = None
         self.owner: Owner | None = None
         self.regions: dict[int, list[Any]] = {}  # rank -> its (layer, kind) regions, leader only
         self.addresses: dict[int, list[int]] = {}  # rank -> where those regions are mapped here (leader)
