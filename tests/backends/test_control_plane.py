@@ -218,7 +218,7 @@ def test_a_ping_before_the_hello_is_no_protocol_error_and_does_not_stretch_the_d
     sock = _raw(server)
     start = time.monotonic()
     closed = None
-    while time.monotonic() - start < 3.0:
+    while time.monotonic() - start < 5.0:  # without the deadline, the PINGs would keep it open
         try:
             sock.sendall(FRAME.pack(0, control.PING))
         except OSError:
@@ -227,7 +227,8 @@ def test_a_ping_before_the_hello_is_no_protocol_error_and_does_not_stretch_the_d
         if not _still_open(sock, 0.1):
             closed = time.monotonic() - start
             break
-    assert closed is not None and 0.7 < closed < 2.0, f"closed {closed} s after the handshake (deadline 1 s)"
+    # 1 s deadline; the upper bound leaves a loaded machine room to schedule the reader thread
+    assert closed is not None and 0.7 < closed < 3.5, f"closed {closed} s after the handshake (deadline 1 s)"
     assert_still_serves(server, server.name)
 
 

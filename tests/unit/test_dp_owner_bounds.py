@@ -274,11 +274,11 @@ def test_a_reader_taking_a_little_at_a_time_cannot_stretch_a_send():
         t = time.monotonic()
         with pytest.raises(gw.SendTimeout, match="took"):
             chan.send(gw.Delivery(1, "i", "h:1", "x" * (2 << 20)))
-        assert 0.25 <= time.monotonic() - t < 1.0
+        assert 0.25 <= time.monotonic() - t < 2.0  # 0.3 s deadline; room for a loaded machine
         t = time.monotonic()
         with pytest.raises(gw.SendTimeout, match="earlier"):
             chan.send(gw.Done(1))
-        assert time.monotonic() - t < 0.1
+        assert time.monotonic() - t < 0.5  # no syscall: fails at once
         assert a.gettimeout() is None  # blocking reads
     finally:
         stop.set()
