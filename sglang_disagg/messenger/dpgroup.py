@@ -11,15 +11,12 @@ the server's one transfer backend (dpowner.py), the others reach it (dpproxy.py)
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
 
-from ..backends import auth
 from .dataparallel import resolved
-from .groupwire import printable, socket_name
+from .groupwire import socket_name
 
-logger = logging.getLogger("sglang_disagg.messenger")
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,16 +28,11 @@ class Place:
     cpu_group: Any   # the group's CPU process group (ranks.agree/gather)
     key: str         # names the server's owner socket: one per server on this host
 
-    @property
-    def owner_socket(self) -> str:
-        """The owner's socket, named after the deployment's secret (every group of the
-        server reads the same from its environment; group 0 requires it before it listens)."""
-        secret = auth.load_secret()
-        name = socket_name(self.key, secret)
-        if secret is None:
-            logger.warning("messenger: no shared secret set: the DP owner socket has the predictable name %s "
-                           "(another local user could take it first)", printable(name))
-        return name
+    def owner_socket(self, secret: bytes) -> str:
+        """The owner's socket, named after the deployment's secret (the one the node already
+        required: every group of the server derives the same name; without the secret no one
+        could take the name first, so there is no fallback to a guessable one)."""
+        return socket_name(self.key, secret)
 
     @classmethod
     def of(cls, scheduler: Any, role: str) -> Place:

@@ -75,16 +75,17 @@ class Node:
         self.addresses: dict[int, list[int]] = {}  # rank -> where those regions are mapped here (leader)
         self._mappings: list[shm.Mapping | cumem.Imported] = []
         endpoints: list[wire.RankEndpoint] = []
+        secret = _require_secret() if self.ranks.is_leader else None
         if self.ranks.is_leader and self.group > 0:
             # One backend per server: this DP group's leader reaches the owner's.
-            self.backend = ProxyBackend(place.owner_socket, self.group, OWNER_WAIT_S)
+            self.backend = ProxyBackend(place.owner_socket(secret), self.group, OWNER_WAIT_S)
         elif self.ranks.is_leader:
             listen = cfg.port if cfg.role is MessengerRole.PREFILL else 0
             self.backend = create_backend(cfg.backend, BackendConfig(
-                provider=cfg.provider, host=cfg.host, port=listen, secret=_require_secret(),
+                provider=cfg.provider, host=cfg.host, port=listen, secret=secret,
                 handshake_timeout_s=min(2.0, cfg.connect_timeout_s)))
             if self.groups > 1:
-                self.owner = Owner(self.backend, place.owner_socket, cfg.role, self.groups)
+                self.owner = Owner(self.backend, place.owner_socket(secret), cfg.role, self.groups)
         if self.ranks.is_leader:
             for rank in range(self.ranks.size):
                 if rank == 0:

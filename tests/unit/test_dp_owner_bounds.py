@@ -24,12 +24,14 @@ from pathlib import Path
 
 import pytest
 
-from sglang_disagg.backends import BackendConfig, TransferError, auth, create_backend
+from sglang_disagg.backends import BackendConfig, TransferError, create_backend
 from sglang_disagg.messenger import groupwire as gw, wire
 from sglang_disagg.messenger.config import MessengerRole
 from sglang_disagg.messenger.dpgroup import Place
 from sglang_disagg.messenger.dpowner import SEND_TIMEOUT_S, Owner
 from sglang_disagg.messenger.dpproxy import ProxyBackend
+
+from .test_dp_owner import _recv  # the same wait for a message
 
 SECRET = secrets.token_bytes(32)
 BACKENDS = [("shmem", None), ("libfabric", "tcp")]
@@ -53,16 +55,6 @@ def _backend(name, provider):
 
 def _path() -> str:
     return gw.socket_name(f"test-{os.getpid()}-{secrets.token_hex(4)}", SECRET)
-
-
-def _recv(backend, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return backend.recv(0.2)
-        except TransferError:
-            if time.monotonic() > deadline:
-                raise
 
 
 def _line(proc: subprocess.Popen, timeout: float) -> str:
@@ -177,7 +169,7 @@ def test_a_stopped_group_is_dropped_within_the_send_timeout_and_the_server_goes_
         decoder.close()
 
 
-def test_the_owner_socket_is_named_after_the_secret(monkeypatch, caplog):
+def test_the_owner_socket_is_named_after_the_secret():
     a, b = secrets.token_bytes(32), secrets.token_bytes(32)
     name = gw.socket_name("prefill-30000", a)
     assert name == gw.socket_name("prefill-30000", a)
@@ -185,15 +177,9 @@ def test_the_owner_socket_is_named_after_the_secret(monkeypatch, caplog):
     assert name != gw.socket_name("prefill-30001", a)
     assert name.startswith("\0sglang-disagg-dp/") and "30000" not in name and "prefill" not in name
     assert gw.socket_name("prefill-30000") == "\0sglang-disagg-dp/prefill-30000"  # no secret: as before
-    # Every group of the server derives it from the secret in its environment.
+    # Every group of the server derives it from the secret its node required.
     place = Place(1, 2, 0, 1, None, "prefill-30000")
-    monkeypatch.delenv(auth.SECRET_FILE_ENV, raising=False)
-    monkeypatch.setenv(auth.SECRET_ENV, a.hex())
-    assert place.owner_socket == gw.socket_name("prefill-30000", a.hex().encode())
-    monkeypatch.delenv(auth.SECRET_ENV)
-    with caplog.at_level(logging.WARNING, logger="sglang_disagg.messenger"):
-        assert place.owner_socket == "\0sglang-disagg-dp/prefill-30000"
-    assert "no shared secret" in caplog.text and "predictable" in caplog.text
+    assert place.owner_socket(a) == name
 
 
 def test_a_taken_name_stops_the_owner():
