@@ -36,6 +36,7 @@ from collections.abc import Callable
 
 from . import auth
 from .errors import PeerLostError, TransferError
+from ..ratelog import RateLog
 from ..threads import Thread as NamedThread
 
 logger = logging.getLogger("sglang_disagg.backends")
@@ -243,27 +244,8 @@ class ControlConn:
             self._on_lost(self, reason)
 
 
-class _Throttle:
-    """At most one warning per `every_s` for each key; the lines in between are counted and
-    the count goes out with the next one (a connection flood wrote 13,000 lines a second)."""
-
-    def __init__(self, every_s: float) -> None:
-        self._every = every_s
-        self._lock = threading.Lock()
-        self._next: dict[str, float] = {}
-        self._skipped: dict[str, int] = {}
-
-    def warn(self, key: str, msg: str, *args: object) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if now < self._next.get(key, float("-inf")):
-                self._skipped[key] = self._skipped.get(key, 0) + 1
-                return
-            self._next[key] = now + self._every
-            skipped = self._skipped.pop(key, 0)
-        if skipped:
-            msg, args = msg + " (and %d more since the last such line)", (*args, skipped)
-        logger.warning(msg, *args)
+def _Throttle(every_s: float) -> RateLog:  # noqa: N802 - the control server's rate-bounded warnings
+    return RateLog(every_s, logger)
 
 
 class Slot:

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import untrusted
+from ..ratelog import RateLog
 from ..backends import DeadlineExceeded
 from ..threads import Thread as NamedThread
 from . import wire
@@ -120,24 +121,8 @@ class ControlReader:
         return None
 
 
-class Throttled:
-    """At most one log line every `every_s` per kind; the lines held back in between are
-    counted in the next one. Called from one thread (the reader)."""
+class Throttled(RateLog):
+    """The reader's rate-bounded warnings (ratelog.py), on the messenger's logger."""
 
     def __init__(self, every_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.every_s, self._clock = every_s, clock
-        self._next: dict[str, float] = {}
-        self._held: dict[str, int] = {}
-
-    def warn(self, kind: str, fmt: str, *args: Any, exc_info: BaseException | None = None) -> bool:
-        """True when the line was logged."""
-        now = self._clock()
-        if now < self._next.get(kind, 0.0):
-            self._held[kind] = self._held.get(kind, 0) + 1
-            return False
-        self._next[kind] = now + self.every_s
-        held = self._held.pop(kind, 0)
-        if held:
-            fmt, args = fmt + " (and %d more like it in the last %.0f s)", (*args, held, self.every_s)
-        logger.warning(fmt, *args, exc_info=exc_info)
-        return True
+        super().__init__(every_s, logger, clock, suffix=" (and {n} more like it in the last {every:.0f} s)")
