@@ -87,16 +87,17 @@ class ControlReader:
         try:
             self.dispatch(peer, raw, msg)
         except Exception as e:  # noqa: BLE001 - logged; the connection and the thread go on
-            self.failed += 1
+            # Logged before counted: whoever sees the count (a scrape, a test) then finds the line.
             self.log.warn("handler", "messenger: handling %s from %s failed: %s: %s", type(msg).__name__,
                           getattr(peer, "address", "?"), type(e).__name__, str(e)[:200], exc_info=e)
+            self.failed += 1
 
     def drop(self, peer: Any, error: BaseException) -> None:
         """Close `peer`'s connection for what its message did (its loss fails what it held)."""
-        self.dropped += 1
         self.log.warn("dropped", "messenger: closed the connection of %s: its message raised %s: %s",
                       getattr(peer, "address", "?"), type(error).__name__, str(error)[:200],
                       exc_info=error)
+        self.dropped += 1  # after the line, as in take()
         with contextlib.suppress(Exception):
             peer.close()
 
