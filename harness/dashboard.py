@@ -130,3 +130,34 @@ def variable_selector(variable: dict) -> tuple[str, str]:
     if m is None or not m.group("selector"):
         raise ValueError(f"variable {variable['name']}: {query!r} is not label_values(selector, label)")
     return m.group("selector"), m.group("label")
+
+
+_SELECTOR = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\s*\{([^}]*)\}")
+_MATCHER = re.compile(r'(\w+)\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"')
+_BY = re.compile(r"\b(?:by|without)\s*\(([^)]*)\)")
+
+
+@dataclass(frozen=True, slots=True)
+class Matcher:
+    """One label matcher of a selector: `metric{label op "value"}`."""
+
+    metric: str
+    label: str
+    op: str
+    value: str
+
+
+def matchers(expr: str) -> list[Matcher]:
+    """The label matchers of every selector in `expr` (template variables left as written)."""
+    return [Matcher(metric, label, op, value) for metric, body in _SELECTOR.findall(expr)
+            for label, op, value in _MATCHER.findall(body)]
+
+
+def grouping_labels(expr: str) -> set[str]:
+    """Labels named in `by (...)` / `without (...)` lists."""
+    return {label.strip() for group in _BY.findall(expr) for label in group.split(",") if label.strip()}
+
+
+def alternatives(value: str) -> list[str]:
+    """A regex matcher's top-level alternatives (`a|b|c`), each a pattern a value must fully match."""
+    return value.split("|") if "(" not in value else [value]

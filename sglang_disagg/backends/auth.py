@@ -29,12 +29,13 @@ import struct
 import time
 
 from .errors import TransferError
+from .frames import FrameKeys
 
 SECRET_ENV = "SGLANG_DISAGG_SECRET"
 SECRET_FILE_ENV = "SGLANG_DISAGG_SECRET_FILE"
 MIN_SECRET_BYTES = 16
 _MAGIC = b"SGDA"
-_VERSION = 2  # 2: PING frames (heartbeats)
+_VERSION = 3  # 2: PING frames (heartbeats); 3: every frame after the handshake sealed (frames.py)
 _NONCE = 32
 _CHALLENGE = struct.Struct(f"!4sB{_NONCE}s")
 _PROOF = hashlib.sha256().digest_size
@@ -105,9 +106,10 @@ class _Deadline:
         return bytes(buf)
 
 
-def handshake(sock: socket.socket, secret: bytes | None, dialed: bool, timeout_s: float) -> None:
+def handshake(sock: socket.socket, secret: bytes | None, dialed: bool, timeout_s: float) -> FrameKeys:
     """Authenticate both ends of `sock`, all of it within `timeout_s` of the call (a deadline,
-    not a per-recv timeout); raises AuthError. Callers pass BackendConfig.handshake_timeout_s
+    not a per-recv timeout); raises AuthError. Returns the keys that seal every frame after it
+    (frames.py), bound to this exchange's nonces. Callers pass BackendConfig.handshake_timeout_s
     (2 s by default; the messenger passes min(2 s, its connect timeout), a dialer no more
     than its connect timeout). The socket is left with a timeout of at most what was left
     (the caller sets its own once the peer is admitted)."""
@@ -134,6 +136,7 @@ def handshake(sock: socket.socket, secret: bytes | None, dialed: bool, timeout_s
         raise AuthError(f"no authentication within {timeout_s:.3g} s") from None
     except OSError as e:
         raise AuthError(f"connection error during authentication: {e}") from None
+    return FrameKeys.derive(key, *((ours, theirs) if dialed else (theirs, ours)), dialed=dialed)
 
 
 def _verify(got: bytes, key: bytes, them: bytes, ours: bytes, theirs: bytes) -> None:

@@ -49,7 +49,7 @@ from .config import BackendConfig
 from .errors import DeadlineExceeded, DescriptorError, PeerLostError, TransferError, UnsupportedMemory
 from .expect import ExpectTracker
 from .future import TransferFuture
-from .messages import NotifDrops, RejectedNotification, parse_notif
+from .notifications import ForgedNotification, NotifDrops, RejectedNotification, UnboundNotification, parse_notif
 from .peers import Peer, PeerTable
 from .regions import (DESCRIPTOR_VERSION, HOST, Memory, MemoryKind, MemoryRegion, NativeRegistration, PageWrite, PeerState,
                       RegionDescriptor, RemoteRegion)
@@ -96,7 +96,7 @@ class TransferBackend(ABC):
         # it; each side dials the other, control one way and data the other). See _detach_peer.
         self._native_lock = threading.Lock()
         self._native_users: dict[str, set[Peer]] = {}
-        self._table = PeerTable(self.config, self._lock, hello=self._hello, check=self._check_hello,
+        self._table = PeerTable(self.config, self._lock, self.instance, hello=self._hello, check=self._check_hello,
                                 add_remote=self.add_remote_region,
                                 attach=self._attach_peer, detach=self._detach_peer, credit=self._tracker.add)
         self._closed = False
@@ -378,24 +378,37 @@ class TransferBackend(ABC):
 
     def _on_notification(self, msg: object) -> bool:
         """One batch notification as NIXL or Mooncake delivered it (their stand-in for immediate
-        data): credited if it is one of ours with the deployment secret's MAC, else dropped and
-        counted. Whatever it says, no peer is failed or blamed: anyone who reaches the data plane
-        can send one under any name. True when something was credited."""
+        data): credited if it is one of ours, sealed by the live control connection of the peer
+        it names and never seen before (notifications.py), else dropped and counted. Whatever it
+        says, no peer is failed or blamed: anyone who reaches the data plane can send one under
+        any name. True when something was credited."""
         try:
-            got = parse_notif(msg, self.config.secret)
+            got = parse_notif(msg)
+            if got is None:
+                self._notif_drops.drop("foreign", "not one of ours")
+                return False
+            senders = self._table.live(got.sender)
+            if not senders:
+                raise UnboundNotification(f"notification for tag {got.tag} from {got.sender[:8]}, "
+                                          "which has no live connection here")
+            # Several only while a re-link overlaps the old link: the one whose key seals it decides.
+            sealer = next((p for p in senders if p.sealed(got)), None)
+            if sealer is None:
+                raise ForgedNotification(f"notification for tag {got.tag} not sealed by a live connection of "
+                                         f"{got.sender[:8]}")
+            sealer.take_notification(got)
         except RejectedNotification as e:
             self._notif_drops.drop(e.reason, e)
             return False
-        if got is None:
-            self._notif_drops.drop("foreign", "not one of ours")
-            return False
-        self._tracker.add(*got)
+        self._tracker.add(got.tag, got.count)
         return True
 
     def stats(self) -> dict[str, int]:
         peers = len(self._table.all())
         with self._lock:
-            base = {"peers": peers, "batches": len(self._batches), "regions": len(self._regions)}
+            base = {"peers": peers, "batches": len(self._batches), "regions": len(self._regions),
+                    # what a connection flood cost the control port (control.ControlServer)
+                    "connections_evicted": self._server.evicted, "connections_refused": self._server.refused}
         return (base | {"expectations": self._tracker.pending(), "late_writes_dropped": self._tracker.late_writes_dropped}
                 | self._notif_drops.stats() | self._native_stats())
 

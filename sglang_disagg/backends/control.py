@@ -10,7 +10,10 @@ parsed), then must be admitted by a HELLO; an accepted connection must do both w
 handshake timeout of its accept (one deadline, not a timeout per recv: a peer trickling
 bytes is cut like a silent one). Until then only HELLO frames of at most MAX_HELLO bytes
 are read. After admission: frames of a 4-byte big-endian length, 1-byte kind, payload, up
-to MAX_FRAME. A frame of an unknown kind, an oversized length, a frame the owner cannot
+to MAX_FRAME. Every frame after authentication, HELLO and PING included, ends with a 16-byte
+tag sealed with the keys of that connection's handshake (frames.py): one that fails its check
+(altered, injected, replayed, reordered on the way) closes the connection before its payload
+is looked at. A frame of an unknown kind, an oversized length, a frame the owner cannot
 parse (its handler raised), a silent peer during the handshake: each closes that
 connection, with the reason logged and passed to `on_lost`; nothing else changes. The
 server bounds how many connections live at once; when full, a newcomer takes the place of
@@ -35,6 +38,7 @@ import time
 from collections.abc import Callable
 
 from . import auth
+from .frames import TAG_BYTES, FrameAuthError, FrameKeys
 from .errors import PeerLostError, TransferError
 from ..ratelog import RateLog
 from ..threads import Thread as NamedThread
@@ -94,6 +98,7 @@ class ControlConn:
         self._on_frame, self._on_lost, self._slot = on_frame, on_lost, slot
         self._secret, self._handshake_s = secret, handshake_timeout_s
         self._admitted = False
+        self._keys: FrameKeys | None = None  # set by the handshake, before any frame
         self._deadline = time.monotonic() + handshake_timeout_s  # a dialed one re-arms it in start()
         self.last_rx = time.monotonic()   # any frame counts: the peer's PINGs keep it fresh
         self._fail_reason = ""
@@ -104,13 +109,18 @@ class ControlConn:
     def start(self) -> None:
         if self.dialed:
             try:
-                auth.handshake(self.sock, self._secret, True, self._handshake_s)
+                self._keys = auth.handshake(self.sock, self._secret, True, self._handshake_s)
             except auth.AuthError:
                 self._shut()
                 raise
             self._deadline = time.monotonic() + self._handshake_s
             self.sock.settimeout(self._handshake_s)  # for our HELLO, sent before the reader arms it
         self._reader.start()
+
+    @property
+    def keys(self) -> FrameKeys | None:
+        """This connection's keys (None until authenticated): its frames' and its notifications'."""
+        return self._keys
 
     def admitted(self) -> None:
         """The peer's HELLO was accepted: lift the handshake deadline and frame bound."""
@@ -123,9 +133,14 @@ class ControlConn:
     def send(self, kind: int, payload: bytes = b"") -> None:
         if len(payload) > MAX_FRAME:
             raise TransferError(f"control message of {len(payload)} bytes exceeds {MAX_FRAME}")
+        header = _HEADER.pack(len(payload), kind)
         try:
-            with self._send_lock:
-                self.sock.sendall(_HEADER.pack(len(payload), kind) + payload)
+            with self._send_lock:  # seal and write in one order: the receiver checks them in it
+                keys = self._keys
+                if keys is None:
+                    raise PeerLostError("control channel send before authentication")
+                self.sock.sendall(header + payload + keys.seal(header, payload))
+                keys.commit()
         except OSError as e:
             raise PeerLostError(f"control channel send failed: {e}") from e
 
@@ -137,12 +152,19 @@ class ControlConn:
         if not self._send_lock.acquire(blocking=False):
             return True
         try:
-            sent = self.sock.send(_HEADER.pack(0, PING), socket.MSG_DONTWAIT)
+            keys = self._keys
+            if keys is None:
+                return True
+            header = _HEADER.pack(0, PING)
+            frame = header + keys.seal(header, b"")
+            sent = self.sock.send(frame, socket.MSG_DONTWAIT)
+            if sent == len(frame):
+                keys.commit()  # a PING not sent at all is sealed again, with the same number, next beat
         except OSError:  # BlockingIOError: buffer full; anything else the reader reports
             return True
         finally:
             self._send_lock.release()
-        return sent == _HEADER.size
+        return sent == len(frame)
 
     def fail(self, reason: str) -> None:
         """End the connection from another thread: the reader stops and reports `reason`."""
@@ -189,7 +211,11 @@ class ControlConn:
         reason = "connection closed by peer"
         try:
             if not self.dialed:
-                auth.handshake(self.sock, self._secret, False, max(0.0, self._deadline - time.monotonic()))
+                self._keys = auth.handshake(self.sock, self._secret, False,
+                                            max(0.0, self._deadline - time.monotonic()))
+            keys = self._keys
+            if keys is None:  # start() authenticates a dialed connection before this thread runs
+                raise auth.AuthError("connection not authenticated")
             while True:
                 head = self._recv_exact(_HEADER.size)
                 if head is None:
@@ -210,7 +236,13 @@ class ControlConn:
                     reason = f"protocol error: {KIND_NAMES[kind]} before the handshake"
                     break
                 payload = self._recv_exact(length) if length else b""
-                if payload is None:
+                tag = self._recv_exact(TAG_BYTES) if payload is not None else None
+                if tag is None:
+                    break
+                try:
+                    keys.open(head, payload, tag)  # before a byte of the payload is believed
+                except FrameAuthError as e:
+                    reason = f"protocol error: {e}"
                     break
                 if kind == BYE:
                     reason = "peer closed the connection"

@@ -4,7 +4,7 @@ Mapping onto the contract:
 - Mooncake's Python API is synchronous per batch, so each peer has its own worker thread:
   that peer's batches run in order and complete their future when the call returns, and a
   stalled peer (a decoder that stopped reading) holds up only its own batches.
-- immediates: the last sub-batch carries a TransferNotify ("sgd2 <tag> <count> <mac>"), which
+- immediates: the last sub-batch carries a TransferNotify ("sgd3 <sender> <seq> <tag> <count> <mac>"), which
   the target reads from get_notifies() after the data; the poller credits the tag. Anyone who
   reaches the transport can send one, naming any session: one without the secret's MAC is
   dropped and counted, and never fails the peer it names (messages.py).
@@ -30,7 +30,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from .base import TransferBackend
-from .messages import notif_text
 from .errors import BackendUnavailable, DescriptorError, TransferError, UnsupportedMemory
 from .peers import Peer
 from .regions import Memory, MemoryKind, NativeRegistration, PageWrite, RegionDescriptor
@@ -190,7 +189,7 @@ class MooncakeBackend(TransferBackend):
                   [w.length for w in part]) for part in split(writes)]
         q = self._queue_for(peer)
         self._inflight[batch_id] = peer.id
-        q.put((batch_id, peer, parts, notif_text(imm, len(writes), self.config.secret)))
+        q.put((batch_id, peer, parts, peer.seal_notification(imm, len(writes))))
 
     def _work_loop(self, jobs: queue.Queue) -> None:
         while True:

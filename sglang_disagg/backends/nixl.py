@@ -2,7 +2,7 @@
 
 Mapping onto the contract:
 - immediates: NIXL has no counters; each batch is one NIXL transfer whose notification
-  ("sgd2 <tag> <count> <mac>", delivered after the data) credits `count` writes to `tag`.
+  ("sgd3 <sender> <seq> <tag> <count> <mac>", delivered after the data) credits `count` writes to `tag`.
   UCX delivers notifications from anyone, under the agent name the sender chose: one without
   the secret's MAC is dropped and counted, and never fails the peer it names (messages.py).
 - metadata: agent metadata travels in the hello and, refreshed after each registration,
@@ -28,7 +28,6 @@ from typing import Any
 
 from . import nixl_memory
 from .base import TransferBackend
-from .messages import notif_text
 from .errors import BackendUnavailable, DescriptorError, PeerLostError, TransferError, UnsupportedMemory
 from .peers import Peer
 from .regions import Memory, NativeRegistration, PageWrite, RegionDescriptor
@@ -217,7 +216,7 @@ class NixlBackend(TransferBackend):
         regs = self._regions
         local, local_mem, remote, remote_mem = nixl_memory.transfer_lists(
             writes, {w.src.id: regs[w.src.id][0].addr for w in writes})
-        note = notif_text(imm, len(writes), self.config.secret).encode()
+        note = peer.seal_notification(imm, len(writes)).encode()
         agent = peer.native  # None once the peer is dropped
         if agent is None:
             raise PeerLostError(f"peer {peer.address} is {peer.state.value}")

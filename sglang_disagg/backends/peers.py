@@ -17,6 +17,7 @@ milliseconds.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import queue
 import socket
 import threading
@@ -28,6 +29,7 @@ from . import control
 from .config import BackendConfig
 from .errors import DeadlineExceeded, PeerLostError, TransferError
 from .messages import parse_hello, parse_notify
+from .notifications import ForgedNotification, Notif, ReplayedNotification, ReplayWindow, notif_text
 from .regions import PeerState, RemoteRegion
 from ..threads import Thread as NamedThread
 
@@ -46,6 +48,8 @@ class Peer:
         self.state = PeerState.CONNECTED
         self.native: Any = None       # backend's per-peer state (fi_addr, agent name, session)
         self._add_remote, self._table, self._conn = add_remote, table, conn
+        self._notif_seq = itertools.count()  # next() is atomic under the GIL: posts may race
+        self._notif_seen = ReplayWindow()
 
     def add_remote_region(self, descriptor: bytes | str) -> RemoteRegion:
         return self._add_remote(self, descriptor)
@@ -57,6 +61,29 @@ class Peer:
     def send(self, data: bytes) -> None:
         """A small control message, delivered in order to the peer's `recv()`."""
         self._conn.send(control.MSG, bytes(data))
+
+    def seal_notification(self, tag: int, count: int) -> str:
+        """The text of a data-plane notification crediting `count` writes to `tag` at this peer,
+        sealed with this connection's key and numbered (notifications.py)."""
+        keys = self._conn.keys
+        if keys is None:  # not reachable: a peer is admitted only after authentication
+            raise PeerLostError(f"peer {self.address}: connection not authenticated")
+        return notif_text(self._table.instance, next(self._notif_seq), tag, count, keys.notif_tx)
+
+    def sealed(self, notif: Notif) -> bool:
+        """Whether `notif` carries this connection's notification MAC."""
+        keys = self._conn.keys
+        try:
+            notif.verify(keys.notif_rx if keys is not None else b"")
+        except ForgedNotification:
+            return False
+        return True
+
+    def take_notification(self, notif: Notif) -> None:
+        """Accept `notif`, sealed by this connection (sealed()), or raise ReplayedNotification
+        when its number was seen already."""
+        if not self._notif_seen.take(notif.seq):
+            raise ReplayedNotification(f"notification {notif.seq} of {self.id[:8]} for tag {notif.tag} seen before")
 
     def notify(self, tag: int, count: int) -> None:
         """Credit `count` arrivals for `tag` at the peer (for backends without native immediates)."""
@@ -71,13 +98,14 @@ class Peer:
 
 
 class PeerTable:
-    def __init__(self, config: BackendConfig, lock: threading.Lock, *,
+    def __init__(self, config: BackendConfig, lock: threading.Lock, instance: str, *,
                  hello: Callable[[], dict[str, Any]], check: Callable[[dict[str, Any]], None], add_remote: AddRemote,
                  attach: Callable[[Peer], None], detach: Callable[[Peer, PeerState, str], None],
                  credit: Callable[[int, int], None]) -> None:
         # `lock` is the backend's: a batch is submitted only while its peer is CONNECTED
         # under it, and drop() changes the state under it, so no batch escapes a loss.
         self._config, self._lock, self._add_remote = config, lock, add_remote
+        self.instance = instance  # our backend's: the sender named in our notifications
         self._hello, self._check, self._attach, self._detach, self._credit = hello, check, attach, detach, credit
         self._conn_peer: dict[control.ControlConn, Peer] = {}
         self._handshakes: dict[control.ControlConn, queue.Queue] = {}
@@ -164,6 +192,11 @@ class PeerTable:
     def all(self) -> list[Peer]:
         with self._lock:
             return list(self._conn_peer.values())
+
+    def live(self, instance: str) -> list[Peer]:
+        """The admitted peers of backend instance `instance` (one, or a few while a re-link overlaps)."""
+        with self._lock:
+            return [p for p in self._conn_peer.values() if p.id == instance]
 
     def drop(self, peer: Peer, state: PeerState, reason: str) -> None:
         """Mark the peer gone (once) and let the backend fail what depended on it."""

@@ -267,7 +267,7 @@ class DecodeMessenger:
 
     def _gauges(self) -> dict[str, dict[str, float]]:  # metrics HTTP thread, at each scrape
         phases = collections.Counter(e.phase.name.lower() for e in list(self.entries.values()))
-        return scheduler_state(self.sched, self.node.page_size) | {
+        return scheduler_state(self.sched, self.node.page_size) | self.node.backend_gauges() | {
             "sglang_disagg_requests_in_flight": {p.name.lower(): phases[p.name.lower()] for p in Phase},
             "sglang_disagg_peer_outstanding": {a: link.outstanding
                                                for a, link in list((self.links.links if self.links else {}).items())}}
@@ -276,7 +276,8 @@ class DecodeMessenger:
         phases = {p.name.lower(): 0 for p in Phase}
         for e in self.entries.values():
             phases[e.phase.name.lower()] += 1
-        links = {a: {"state": link.state.value, "reason": link.reason, "outstanding": link.outstanding}
+        links = {a: {"state": link.state.value, "reason": link.reason, "outstanding": link.outstanding,
+                     "losses": link.losses, "outage_s": round(link.outage_s, 4)}
                  for a, link in self.links.links.items()} if self.links else {}
         return self.node.describe(self.sched) | self.stats | {
             "in_flight": phases, "links": links, "scheduler": scheduler_state(self.sched, self.node.page_size),

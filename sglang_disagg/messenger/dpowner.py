@@ -46,6 +46,7 @@ from typing import Any
 from .. import shm
 from ..backends.errors import PeerLostError, TransferError
 from ..backends.regions import HOST, PeerState
+from ..ratelog import RateLog
 from ..threads import Thread as NamedThread
 from . import groupwire as gw, wire
 from .config import MessengerRole
@@ -76,6 +77,8 @@ class Owner:
         self.outstanding = [0] * groups               # prefill: orders given to each group, not done
         self._orders: dict[tuple[str, int], int] = {}  # (decoder instance, tag) -> group
         self._stop = threading.Event()
+        self.refused = 0  # connections of another user, closed at accept
+        self._log = RateLog(5.0, logger)  # another local user can connect as fast as they like
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._listener.bind(path)
@@ -171,8 +174,10 @@ class Owner:
                 return
             refused = admitted(sock)
             if refused:
-                logger.error("messenger: refused a connection to the DP owner socket: %s", refused)
                 sock.close()
+                self.refused += 1
+                self._log.warn("refused", "messenger: refused a connection to the DP owner socket: %s "
+                               "(%d refused so far)", refused, self.refused)
                 continue
             NamedThread(target=self._serve, args=(gw.Channel(sock, SEND_TIMEOUT_S),), name="dp-owner-group",
                         daemon=True).start()

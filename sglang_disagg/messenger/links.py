@@ -59,6 +59,9 @@ class Link:
         self.strikes = 0         # requests in a row its server failed (scheduler thread)
         self.recheck_at = 0.0    # FAILING: when it is connected again
         self.backoff = backoff   # FAILING next: how long until it is connected again
+        self.losses = 0          # times a ready link's connection was lost
+        self.outage_s = 0.0      # the last loss: seen lost (within POLL_S) until ready again
+        self._lost_at: float | None = None
         self._reply = threading.Event()
         self._answer: wire.Message | None = None
 
@@ -149,6 +152,7 @@ class Links:
                 continue
             if link.state is LinkState.READY:  # it was up: the connection dropped
                 link.state, link.reason = LinkState.DOWN, "connection lost"
+                link.losses, link._lost_at = link.losses + 1, time.monotonic()
                 logger.warning("messenger: prefill server %s lost", link.address)
                 self._on_change()
             before = link.state
@@ -201,4 +205,6 @@ class Links:
         link.peer, link.prefill_tp = peer, answer.kv.tp
         link.instances = tuple(r.instance for r in answer.ranks)
         link.state, link.reason = LinkState.READY, f"{answer.prefill}, TP {answer.kv.tp}"
+        if link._lost_at is not None:  # how long a re-link took (a flood must not stretch it: security.md)
+            link.outage_s, link._lost_at = time.monotonic() - link._lost_at, None
         logger.info("messenger: linked to prefill server %s (%s)", link.address, link.reason)

@@ -34,6 +34,12 @@ GAUGES = {  # name -> (help, label)
     "sglang_disagg_requests_in_flight": ("Requests the messenger holds, by phase", "phase"),
     "sglang_disagg_queue_depth": ("SGLang's scheduler queues", "queue"),
     "sglang_disagg_peer_outstanding": ("Requests in flight per peer server", "peer"),
+    # Counts since start (exported as gauges read from the backend at each scrape).
+    "sglang_disagg_control_connections_dropped": ("Control connections the messenger port closed before they "
+                                                  "said HELLO: evicted for a newcomer, or refused with every slot "
+                                                  "admitted", "why"),
+    "sglang_disagg_notifications_dropped": ("Data-plane notifications dropped unbelieved (NIXL, Mooncake), by "
+                                            "reason", "reason"),
 }
 
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..backends import BackendConfig, auth, create_backend
+from ..backends.notifications import NotifDrops
 from ..backends.regions import HOST, cuda
 from .. import cumem, handover, shm
 from . import compat, speculative, wire
@@ -174,6 +175,20 @@ class Node:
                 "dp_group": self.group, "dp_groups": self.groups,
                 # Structured output lives on decoders only: a prefill server compiles none.
                 "grammars_compiled": len(getattr(grammar, "cache", ()) or ())}
+
+    def backend_gauges(self) -> dict[str, dict[str, float]]:
+        """What hostile or broken peers cost this node's backend, for the metrics (HTTP thread).
+        Only where the backend lives: a DP group's proxy would ask its owner, which reports its own."""
+        if self.backend is None or isinstance(self.backend, ProxyBackend):
+            return {}
+        try:
+            stats = self.backend.stats()
+        except Exception:  # noqa: BLE001 - a backend closing under a scrape: these gauges are left out once
+            return {}
+        return {"sglang_disagg_control_connections_dropped": {
+                    why: stats.get(f"connections_{why}", 0) for why in ("evicted", "refused")},
+                "sglang_disagg_notifications_dropped": {
+                    reason: stats.get(f"{reason}_notifications_dropped", 0) for reason in NotifDrops.REASONS}}
 
     def owner_gone(self) -> str:
         """DP group > 0: why the server's backend is out of reach ("" while the owner lives)."""

@@ -347,7 +347,7 @@ class PrefillMessenger:
     def _gauges(self) -> dict[str, dict[str, float]]:  # metrics HTTP thread, at each scrape
         records = list(self.records.values())
         per_decoder = collections.Counter(r.key for r in records)
-        return scheduler_state(self.sched, self.node.page_size) | {
+        return scheduler_state(self.sched, self.node.page_size) | self.node.backend_gauges() | {
             "sglang_disagg_requests_in_flight": {"orders": len(records)},
             "sglang_disagg_peer_outstanding": {link.hello.decoder: per_decoder[key]
                                                for key, link in list(self.decoders.items())}}

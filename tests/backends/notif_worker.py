@@ -19,6 +19,7 @@ from transfer_worker import Worker  # puts benchmarks/ (jsonl_worker) on sys.pat
 from jsonl_worker import serve
 
 from sglang_disagg.backends import BackendConfig, create_backend
+from sglang_disagg.backends.peers import Peer
 
 
 class NotifWorker(Worker):
@@ -34,7 +35,24 @@ class NotifWorker(Worker):
             return {"address": ""}
         self.be = create_backend(backend, BackendConfig(provider=provider,
                                                         secret=bytes.fromhex(secret) if secret else None))
+        # Record what this process sends, as a capture of the wire would (a test's eye, no fake).
+        self._sealed: list[str] = []
+        real = Peer.seal_notification
+
+        def seal(peer: Peer, tag: int, count: int) -> str:
+            text = real(peer, tag, count)
+            self._sealed.append(text)
+            return text
+        Peer.seal_notification = seal
         return {"address": self.be.address}
+
+    def instance(self) -> dict:
+        return {"instance": self.be.instance}
+
+    def sealed(self) -> dict:
+        """Every notification text this backend sealed so far, oldest first: what someone
+        capturing its data-plane traffic would hold."""
+        return {"texts": list(self._sealed)}
 
     def endpoint(self) -> dict:
         """What peers learn of us in the HELLO: NIXL's agent name and metadata, Mooncake's session."""

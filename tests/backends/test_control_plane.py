@@ -22,7 +22,7 @@ import torch
 
 from sglang_disagg.backends import BackendConfig, TransferError, create_backend
 from sglang_disagg import shm
-from sglang_disagg.backends import auth, control
+from sglang_disagg.backends import auth, control, frames
 from sglang_disagg.backends.regions import PeerState
 
 SECRET = b"s" * 32
@@ -47,11 +47,37 @@ def server(request):
     be.close()
 
 
-def _raw(be, authenticate: bool = True, secret: bytes | None = SECRET) -> socket.socket:
+class Link:
+    """A raw socket that authenticated as a dialer and seals what it sends, as ControlConn
+    does (frames.py), so the frames below reach the server's parser; everything else
+    (recv, settimeout, close...) is the socket's."""
+
+    def __init__(self, sock: socket.socket, keys) -> None:
+        self.sock, self.keys = sock, keys
+
+    def __getattr__(self, name):
+        return getattr(self.sock, name)
+
+    def frame(self, kind: int, payload: bytes = b"") -> bytes:
+        header = FRAME.pack(len(payload), kind)
+        tag = self.keys.seal(header, payload)
+        self.keys.commit()
+        return header + payload + tag
+
+    def read(self) -> tuple[int, bytes]:
+        header = self.sock.recv(FRAME.size, socket.MSG_WAITALL)
+        length, kind = FRAME.unpack(header)
+        payload = self.sock.recv(length, socket.MSG_WAITALL) if length else b""
+        self.keys.open(header, payload, self.sock.recv(frames.TAG_BYTES, socket.MSG_WAITALL))
+        return kind, payload
+
+
+def _raw(be, authenticate: bool = True, secret: bytes | None = SECRET):
+    """A connection to `be`: a plain socket, or a Link once authenticated."""
     host, port = be.address.rsplit(":", 1)
     sock = socket.create_connection((host, int(port)), timeout=5)
     if authenticate:
-        auth.handshake(sock, secret, True, 2.0)
+        return Link(sock, auth.handshake(sock, secret, True, 2.0))
     return sock
 
 
@@ -71,22 +97,20 @@ def _closed_within(sock: socket.socket, seconds: float) -> float:
     return time.monotonic() - start
 
 
-def _frame(kind: int, payload: bytes) -> bytes:
-    return FRAME.pack(len(payload), kind) + payload
-
-
 def _hello(be, instance: str = "f" * 32) -> dict:
     # The backend's own endpoint: a shmem peer must name memory the server can reach (its probe).
     return {"v": 1, "backend": be.name, "provider": be.provider, "instance": instance,
             "address": "127.0.0.1:9", "endpoint": be._endpoint_info()}
 
 
-def _admitted(be, instance: str = "f" * 32) -> socket.socket:
+def _admitted(be, instance: str = "f" * 32) -> Link:
     """A raw socket that authenticated and said HELLO: an admitted peer of `be`."""
     sock = _raw(be)
-    sock.sendall(_frame(control.HELLO, json.dumps(_hello(be, instance)).encode()))
-    length, kind = FRAME.unpack(sock.recv(FRAME.size, socket.MSG_WAITALL))
-    assert kind == control.HELLO and "error" not in json.loads(sock.recv(length, socket.MSG_WAITALL))
+    sock.sendall(sock.frame(control.HELLO, json.dumps(_hello(be, instance)).encode()))
+    kind, payload = sock.read()
+    while kind == control.PING:  # the server may beat before its reply
+        kind, payload = sock.read()
+    assert kind == control.HELLO and "error" not in json.loads(payload)
     return sock
 
 
@@ -145,25 +169,31 @@ def test_unauthenticated_garbage_closes_only_that_connection(server, case):
 
 
 AFTER_AUTH = {
-    "oversized length prefix": lambda be: FRAME.pack(0xFFFFFFF0, control.HELLO),
-    "hello larger than the pre-handshake bound": lambda be: FRAME.pack(control.MAX_HELLO + 1, control.HELLO),
-    "unknown frame kind": lambda be: _frame(9, b"{}"),
-    "message before hello": lambda be: _frame(control.MSG, b"hello?"),
-    "notify before hello": lambda be: _frame(control.NOTIFY, b'{"tag": 1, "count": 1}'),
-    "hello that is not json": lambda be: _frame(control.HELLO, b"\xff\x00not json"),
-    "hello with a missing field": lambda be: _frame(control.HELLO, json.dumps(
+    "oversized length prefix": lambda be, link: FRAME.pack(0xFFFFFFF0, control.HELLO),
+    "hello larger than the pre-handshake bound": lambda be, link: FRAME.pack(control.MAX_HELLO + 1, control.HELLO),
+    "unknown frame kind": lambda be, link: link.frame(9, b"{}"),
+    "message before hello": lambda be, link: link.frame(control.MSG, b"hello?"),
+    "notify before hello": lambda be, link: link.frame(control.NOTIFY, b'{"tag": 1, "count": 1}'),
+    "hello that is not json": lambda be, link: link.frame(control.HELLO, b"\xff\x00not json"),
+    "hello with a missing field": lambda be, link: link.frame(control.HELLO, json.dumps(
         {k: v for k, v in _hello(be).items() if k != "endpoint"}).encode()),
-    "hello with a wrong type": lambda be: _frame(control.HELLO, json.dumps(_hello(be) | {"v": "1"}).encode()),
-    "hello with a bad address": lambda be: _frame(control.HELLO, json.dumps(
+    "hello with a wrong type": lambda be, link: link.frame(control.HELLO, json.dumps(_hello(be) | {"v": "1"}).encode()),
+    "hello with a bad address": lambda be, link: link.frame(control.HELLO, json.dumps(
         _hello(be) | {"address": "nowhere"}).encode()),
-    "truncated frame then eof": lambda be: FRAME.pack(100, control.HELLO) + b"{",
+    "truncated frame then eof": lambda be, link: FRAME.pack(100, control.HELLO) + b"{",
+    # What a relay that passed the handshake through could send: no valid tag.
+    "hello without its tag": lambda be, link: FRAME.pack(len(b := json.dumps(_hello(be)).encode()), control.HELLO) + b
+    + bytes(frames.TAG_BYTES),
+    "hello sealed with another session's keys": lambda be, link: Link(None, frames.FrameKeys.derive(
+        SECRET, b"a" * 32, b"b" * 32, True)).frame(control.HELLO, json.dumps(_hello(be)).encode()),
+    "a well-formed ping, replayed": lambda be, link: (p := link.frame(control.PING)) + p,
 }
 
 
 @pytest.mark.parametrize("case", AFTER_AUTH)
 def test_authenticated_garbage_closes_only_that_connection(server, case):
     sock = _raw(server)
-    sock.sendall(AFTER_AUTH[case](server))
+    sock.sendall(AFTER_AUTH[case](server, sock))
     if case == "truncated frame then eof":
         sock.shutdown(socket.SHUT_WR)
     assert _closed_within(sock, 3.0) < 2.0
@@ -220,7 +250,7 @@ def test_a_ping_before_the_hello_is_no_protocol_error_and_does_not_stretch_the_d
     closed = None
     while time.monotonic() - start < 5.0:  # without the deadline, the PINGs would keep it open
         try:
-            sock.sendall(FRAME.pack(0, control.PING))
+            sock.sendall(sock.frame(control.PING))
         except OSError:
             closed = time.monotonic() - start
             break
@@ -242,7 +272,8 @@ def test_a_peer_trickling_bytes_is_cut_at_the_handshake_deadline(phase):
         if phase == "challenge":
             sock, data = _raw(be, authenticate=False), auth._CHALLENGE.pack(auth._MAGIC, auth._VERSION, b"n" * 32)
         else:
-            sock, data = _raw(be), _frame(control.HELLO, json.dumps(_hello(be)).encode())
+            sock = _raw(be)
+            data = sock.frame(control.HELLO, json.dumps(_hello(be)).encode())
         took = _trickle(sock, data, start)
         assert deadline - 0.1 < took < deadline + 0.5, f"{phase}: closed {took:.3f} s after connecting"
         assert_still_serves(be, "shmem")
@@ -328,13 +359,13 @@ def test_admitted_peer_sending_bad_notify_or_fuzz_loses_only_its_connection():
                {"tag": "1", "count": 1}, {"tag": 1}, [1, 2], {"tag": 1, "count": 1, "x": 0}]
         for note in bad:
             sock = _admitted(be)
-            sock.sendall(_frame(control.NOTIFY, json.dumps(note).encode()))
+            sock.sendall(sock.frame(control.NOTIFY, json.dumps(note).encode()))
             assert _closed_within(sock, 3.0) < 2.0, note
         assert be._tracker.arrived(1) == 0
         sock = _admitted(be)
         for i in range(200):
             kind = rng.choice([control.HELLO, control.NOTIFY, 0, 6, 255])
-            sock.sendall(_frame(kind, rng.randbytes(rng.randrange(0, 64))))
+            sock.sendall(sock.frame(kind, rng.randbytes(rng.randrange(0, 64))))
             _closed_within(sock, 3.0)
             sock = _admitted(be)
             assert len(be.peers()) <= 1, i

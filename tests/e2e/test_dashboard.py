@@ -1,5 +1,6 @@
 """The Grafana dashboard (dashboards/sglang-disagg.json) against a live stack: every metric
-name any panel's PromQL reads is exported by the endpoints that panel selects.
+name any panel's PromQL reads is exported by the endpoints that panel selects, and every label
+value a panel filters on (and every label it groups by) is one those endpoints export.
 
 The stack is the launcher's default (`--role all`, tiny-llama, shmem) with SGLang's own
 metrics on (`--enable-metrics`, which the dashboard's SGLang panels need) and a 1.5 s
@@ -19,7 +20,7 @@ import time
 import pytest
 
 from harness import dashboard as dash
-from sglang_disagg.launch.client import generate_ids
+from sglang_disagg.launch.client import chat, generate_ids
 
 from .conftest import StackSpec, start_stack
 from .faultlib import SIGCONT, SIGSTOP, Call, long_prompt, scrape, signal_group, value, wait_for, wait_released
@@ -79,6 +80,8 @@ def test_every_panel_reads_metrics_the_stack_exports(live):
     assert len(ports) == 5, ports
     before = {name: scrape(host, port) for name, port in ports.items()}
     assert len(generate_ids(live.url, long_prompt(100, 31), 4)) == 4
+    # The router's request panel filters on path=~"/generate|/v1/.*": one OpenAI-style request too.
+    assert chat(live.url, "Hi", live.cfg.served_model_name, max_tokens=2)["choices"]
     call = hung_prefill_fails_a_request(live)
     samples = {name: scrape(host, port) for name, port in ports.items()}
 
@@ -122,3 +125,28 @@ def test_every_panel_reads_metrics_the_stack_exports(live):
             missing += [(panel["title"], name, v) for name in sorted(dash.metric_names(expr)) if name not in have]
     assert not unscoped, f"expressions not scoped to one instance variable: {unscoped}"
     assert not missing, f"(panel, metric, endpoints) named by the dashboard and not exported: {missing}"
+
+    # The label values panels filter on, and the labels they group by, are the ones exported: a
+    # renamed phase or path would leave a panel silently empty, its metric name still right.
+    labels: dict[str, dict[str, set[str]]] = {}  # metric -> label -> values, every endpoint together
+    for s in samples.values():
+        for key in s:
+            for label, v in key[1:]:
+                labels.setdefault(key[0], {}).setdefault(label, set()).add(v)
+    unmatched, ungrouped = [], []
+    for panel in panels:
+        for expr in dash.expressions(panel):
+            for m in dash.matchers(expr):
+                if m.label == "instance":  # Prometheus adds it at scrape time; covered above
+                    continue
+                values = labels.get(m.metric, {}).get(m.label, set())
+                if m.op in ("=", "=~"):
+                    pats = [m.value] if m.op == "=" else dash.alternatives(m.value)
+                    for pat in pats:
+                        if not any((v == pat) if m.op == "=" else re.fullmatch(pat, v) for v in values):
+                            unmatched.append((panel["title"], m.metric, f'{m.label}{m.op}"{pat}"', sorted(values)))
+            for label in dash.grouping_labels(expr) - {"instance"}:
+                if not any(label in labels.get(name, {}) for name in dash.metric_names(expr)):
+                    ungrouped.append((panel["title"], label, sorted(dash.metric_names(expr))))
+    assert not unmatched, f"(panel, metric, matcher, values exported) that select nothing: {unmatched}"
+    assert not ungrouped, f"(panel, label, metrics) grouped by a label no metric carries: {ungrouped}"

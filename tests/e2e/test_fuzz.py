@@ -5,7 +5,8 @@ launcher names each of them. Then every port the messenger opens (the prefill me
 the decoder's transfer endpoint, both metrics endpoints) gets random bytes, another
 protocol, truncated and oversized frames and wrong secrets; a peer that does hold the
 secret sends orders with out-of-bounds page ids and token ids, which are refused with a
-reason. Afterwards the stack still serves, token-exact, with no page left allocated.
+reason. Afterwards the stack still serves, token-exact, with no page left allocated. Last, a
+slow-handshake connection flood (flood.py) while the decoder's control connection is dropped.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from sglang_disagg.messenger import compat, wire
 from sglang_disagg.models import ensure_model
 
 from .conftest import assert_same, run_sequential
+from .faultlib import drop_connections, wait_until
+from .flood import SlowFlood
 from .test_metrics import scrape, value
 
 pytestmark = pytest.mark.e2e
@@ -159,6 +162,59 @@ def test_hostile_input_to_every_messenger_port_leaves_the_stack_serving_token_ex
 
     got = run_sequential(stack.url, prompts[2:5])
     assert_same(got, expected[2:5], prompts[2:5])
+    deadline = time.monotonic() + 5
+    while (held := [held_pages(stack, role) for role in ("prefill", "decode")]) != [0, 0]:
+        assert time.monotonic() < deadline, f"pages held by no request (prefill, decode): {held}"
+        time.sleep(0.2)
+    assert not stack.dead()
+
+
+FLOOD_SOURCES = [f"127.0.0.{i}" for i in range(2, 52)] + ["127.0.0.1"]  # 50 others, and the decoder's own
+
+
+def _link(stack) -> dict:
+    (link,) = (stack.messenger_stats("decode") or {}).get("links", {}).values()
+    return link
+
+
+def test_a_slow_handshake_flood_neither_stops_serving_nor_a_relink(stack, references):
+    """300 connections to the prefill messenger port that never finish a handshake (one byte
+    every 1.5 s, reopened the moment the server closes one), from 51 loopback addresses, the
+    decoder's own among them: the decoder's control connection dropped during the flood re-links
+    within the fault deadline (2 s), requests through the router stay token-exact, and the
+    server's log grows by a handful of lines. Before admission control (a 256-slot port, a 2 s
+    timeout per read): every request failed with 503 for as long as the flood ran, and the log
+    got ~400,000 lines in 30 s (issue "Hostile networks")."""
+    prompts, expected = references("tiny-llama")
+    cfg = stack.cfg
+    log = Path(stack.log_dir) / "prefill.log"
+    lines_before = len(log.read_bytes().splitlines())
+    before = _link(stack)
+    assert before["state"] == "ready", before
+    with SlowFlood(f"{cfg.host}:{cfg.ports.bootstrap}", FLOOD_SOURCES, n=300, every_s=1.5) as flood:
+        assert wait_until(lambda: flood.closed_by_server >= 300, 20.0), \
+            f"the flood never filled the port: {flood.opened} opened, {flood.closed_by_server} closed by the server"
+        start = time.monotonic()
+        dropped = drop_connections(cfg.ports.bootstrap)  # the decoder's among them, as a network fault would
+        assert wait_until(lambda: (link := _link(stack))["losses"] > before["losses"] and link["state"] == "ready",
+                          10.0), f"the decoder did not re-link during the flood: {_link(stack)}"
+        seen = time.monotonic() - start
+        after = _link(stack)
+        got = run_sequential(stack.url, prompts[:4])
+        served_during = flood.opened
+        evicted = value(scrape(stack, "prefill"), "sglang_disagg_control_connections_dropped", why="evicted")
+    assert_same(got, expected[:4], prompts[:4])
+    print(f"\nflood | {flood.opened} attacker connections from {len(FLOOD_SOURCES)} addresses, "
+          f"{flood.closed_by_server} closed by the server, {evicted:g} evicted (metric) | ss -K closed {dropped} | "
+          f"decoder re-linked after {after['outage_s']:.3f} s (seen by the test after {seen:.3f} s)", flush=True)
+    assert after["losses"] == before["losses"] + 1, after  # one loss: ours, not a string of failed re-links
+    assert after["outage_s"] < 2.0, f"re-link took {after['outage_s']:.3f} s under the flood (deadline 2 s)"
+    assert served_during > 300 and evicted > 0 and all(flood.by_source.values())
+    added = log.read_bytes().splitlines()[lines_before:]
+    flood_lines = [x for x in added if b"control server" in x or b"control connection" in x]
+    print(f"flood | prefill log: {len(added)} lines added, {len(flood_lines)} about the flood", flush=True)
+    assert len(flood_lines) <= 12, b"\n".join(flood_lines[:20]).decode(errors="replace")
+    assert len(added) <= 200, f"{len(added)} log lines during the flood"
     deadline = time.monotonic() + 5
     while (held := [held_pages(stack, role) for role in ("prefill", "decode")]) != [0, 0]:
         assert time.monotonic() < deadline, f"pages held by no request (prefill, decode): {held}"

@@ -154,7 +154,7 @@ def _at_mooncake(mc: Mooncake, ports: list[str], info: dict) -> dict:
             if data_port != address and mooncake_raw(data_port, first, MC_READ).startswith("answered 8"):
                 out["write_unregistered_raw"] = mooncake_raw(data_port, info["unregistered"], MC_WRITE,
                                                              b"\x07" * WRITE)
-        note = mc.engine.TransferNotify(mc.session, f"sgd2 {CANARY_TAG} 2 {'0' * 32}")  # no secret: a guessed MAC
+        note = mc.engine.TransferNotify(mc.session, f"sgd3 {'0' * 32} 0 {CANARY_TAG} 2 {'0' * 32}")  # no key: a guessed MAC
         out["forged_notify"] = mc.te.batch_transfer_sync(address, [mc.addr], [first + 2 * WRITE], [16],
                                                          mc.engine.TransferOpcode.Write, note)
         return out

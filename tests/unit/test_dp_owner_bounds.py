@@ -271,3 +271,58 @@ def test_a_reader_taking_a_little_at_a_time_cannot_stretch_a_send():
         reader.join(2.0)
         a.close()
         b.close()
+
+
+def test_the_owner_refuses_another_user_at_accept_and_goes_on_serving(caplog):
+    """A process of another user (uid nobody, in a forked child) connects to the owner's real
+    socket 50 times, each time sending a Join: every connection is closed at accept before a
+    byte is read or sent, counted, and logged at a bounded rate; a group of the server's own
+    user joins afterwards and is served."""
+    caplog.set_level(logging.WARNING, logger="sglang_disagg.messenger")
+    backend = _backend("shmem", None)
+    path = _path()
+    owner = Owner(backend, path, MessengerRole.DECODE, groups=2)
+    out_r, out_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the other user: stdlib calls only, then _exit
+        code = 0
+        try:
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            got = 0
+            for _ in range(50):
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.settimeout(10.0)
+                s.connect(path)
+                with contextlib.suppress(OSError):  # the owner may have closed it already
+                    s.sendall(gw.encode(gw.Join(1)))
+                with contextlib.suppress(ConnectionResetError):
+                    while chunk := s.recv(65536):
+                        got += len(chunk)
+                s.close()
+            os.write(out_w, f"{os.getuid()} {got}".encode())
+        except BaseException as e:  # noqa: BLE001 - reported to the test, never raised in the fork
+            os.write(out_w, f"error {e!r}".encode())
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(out_w)
+    group = None
+    try:
+        assert select.select([out_r], [], [], 30.0)[0]
+        assert os.read(out_r, 200).decode() == f"{NOBODY} 0"  # 50 connections, not a byte back
+        assert owner.refused == 50
+        lines = [r.getMessage() for r in caplog.records if "refused a connection to the DP owner" in r.getMessage()]
+        assert 1 <= len(lines) <= 2 and f"runs as uid {NOBODY}" in lines[0], lines
+        group = ProxyBackend(path, 1, deadline_s=5.0)  # the server's own user: joins and is served
+        assert group.address == backend.address
+    finally:
+        os.close(out_r)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        if group is not None:
+            group.close()
+        owner.close()
+        backend.close()
