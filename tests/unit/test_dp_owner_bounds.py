@@ -198,49 +198,71 @@ def test_a_taken_name_stops_the_owner():
         backend.close()
 
 
+class Nobody:
+    """`work` run in a forked child as uid nobody (stdlib calls only in it, then _exit): it may call
+    `ready()` to tell the test it is set up, and returns a report string; an exception's repr
+    is reported instead. Killed and reaped on exit, whatever happened."""
+
+    def __init__(self, work) -> None:
+        self._ready_r, ready_w = os.pipe()
+        self._out_r, out_w = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:
+            code = 0
+            try:
+                os.setgroups([])
+                os.setgid(NOBODY)
+                os.setuid(NOBODY)
+                os.write(out_w, work(lambda: os.write(ready_w, b"1")).encode())
+            except BaseException as e:  # noqa: BLE001 - reported to the test, never raised in the fork
+                os.write(out_w, f"error {e!r}".encode())
+                code = 1
+            finally:
+                os._exit(code)
+        os.close(ready_w)
+        os.close(out_w)
+
+    def ready(self, timeout: float = 20.0) -> bool:
+        return bool(select.select([self._ready_r], [], [], timeout)[0]) and os.read(self._ready_r, 1) == b"1"
+
+    def report(self, timeout: float = 30.0) -> str:
+        assert select.select([self._out_r], [], [], timeout)[0], f"the child said nothing in {timeout} s"
+        return os.read(self._out_r, 200).decode()
+
+    def __enter__(self) -> Nobody:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self._ready_r)
+        os.close(self._out_r)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        os.waitpid(self.pid, 0)
+
+
 def test_a_group_refuses_a_listener_of_another_user():
     """Another user bound the owner's name first (here uid nobody, in a forked child): the
     group refuses it on its credentials, naming its uid, and sends it nothing."""
     path = _path()
-    ready_r, ready_w = os.pipe()
-    out_r, out_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the squatter: stdlib calls only, then _exit
-        code = 0
-        try:
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            s.bind(path)
-            s.listen(1)
-            os.write(ready_w, b"1")
-            s.settimeout(20.0)
-            c, _ = s.accept()
-            c.settimeout(20.0)
-            n = 0
-            while chunk := c.recv(65536):
-                n += len(chunk)
-            os.write(out_w, f"{os.getuid()} {n}".encode())
-        except BaseException as e:  # noqa: BLE001 - reported to the test, never raised in the fork
-            os.write(out_w, f"error {e!r}".encode())
-            code = 1
-        finally:
-            os._exit(code)
-    os.close(ready_w)
-    os.close(out_w)
-    try:
-        assert select.select([ready_r], [], [], 20.0)[0] and os.read(ready_r, 1) == b"1"
+
+    def squat(ready) -> str:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(path)
+        s.listen(1)
+        ready()
+        s.settimeout(20.0)
+        c, _ = s.accept()
+        c.settimeout(20.0)
+        n = 0
+        while chunk := c.recv(65536):
+            n += len(chunk)
+        return f"{os.getuid()} {n}"
+
+    with Nobody(squat) as squatter:
+        assert squatter.ready()
         with pytest.raises(TransferError, match=f"runs as uid {NOBODY}, this server as uid {os.getuid()}"):
             ProxyBackend(path, 1, deadline_s=5.0)
-        assert select.select([out_r], [], [], 20.0)[0]
-        assert os.read(out_r, 200).decode() == f"{NOBODY} 0"  # the listener got 0 bytes
-    finally:
-        os.close(ready_r)
-        os.close(out_r)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
+        assert squatter.report(20.0) == f"{NOBODY} 0"  # the listener got 0 bytes
 
 
 def test_a_reader_taking_a_little_at_a_time_cannot_stretch_a_send():
@@ -282,46 +304,31 @@ def test_the_owner_refuses_another_user_at_accept_and_goes_on_serving(caplog):
     backend = _backend("shmem", None)
     path = _path()
     owner = Owner(backend, path, MessengerRole.DECODE, groups=2)
-    out_r, out_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the other user: stdlib calls only, then _exit
-        code = 0
-        try:
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            got = 0
-            for _ in range(50):
-                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                s.settimeout(10.0)
-                s.connect(path)
-                with contextlib.suppress(OSError):  # the owner may have closed it already
-                    s.sendall(gw.encode(gw.Join(1)))
-                with contextlib.suppress(ConnectionResetError):
-                    while chunk := s.recv(65536):
-                        got += len(chunk)
-                s.close()
-            os.write(out_w, f"{os.getuid()} {got}".encode())
-        except BaseException as e:  # noqa: BLE001 - reported to the test, never raised in the fork
-            os.write(out_w, f"error {e!r}".encode())
-            code = 1
-        finally:
-            os._exit(code)
-    os.close(out_w)
+
+    def connect_50_times(ready) -> str:
+        got = 0
+        for _ in range(50):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(10.0)
+            s.connect(path)
+            with contextlib.suppress(OSError):  # the owner may have closed it already
+                s.sendall(gw.encode(gw.Join(1)))
+            with contextlib.suppress(ConnectionResetError):
+                while chunk := s.recv(65536):
+                    got += len(chunk)
+            s.close()
+        return f"{os.getuid()} {got}"
+
     group = None
     try:
-        assert select.select([out_r], [], [], 30.0)[0]
-        assert os.read(out_r, 200).decode() == f"{NOBODY} 0"  # 50 connections, not a byte back
+        with Nobody(connect_50_times) as other:
+            assert other.report(30.0) == f"{NOBODY} 0"  # 50 connections, not a byte back
         assert owner.refused == 50
         lines = [r.getMessage() for r in caplog.records if "refused a connection to the DP owner" in r.getMessage()]
         assert 1 <= len(lines) <= 2 and f"runs as uid {NOBODY}" in lines[0], lines
         group = ProxyBackend(path, 1, deadline_s=5.0)  # the server's own user: joins and is served
         assert group.address == backend.address
     finally:
-        os.close(out_r)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
         if group is not None:
             group.close()
         owner.close()
