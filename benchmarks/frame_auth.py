@@ -38,29 +38,31 @@ def order_payload(tokens: int) -> bytes:
                                          dst_pages=tuple(range(5000, 5000 + pages)), start_page=0, last_token=7))
 
 
-def mac_us(payload: bytes, repeats: int) -> float:
-    """Median seal + open of one frame carrying `payload`, microseconds."""
-    d, a = frames.FrameKeys.derive(b"k" * 32, b"d" * 32, b"a" * 32, True), \
-        frames.FrameKeys.derive(b"k" * 32, b"d" * 32, b"a" * 32, False)
-    header = HEADER.pack(len(payload), 2)
+def median_us(fn, repeats: int) -> float:
+    """Median wall time of `fn()`, microseconds."""
     times = []
     for _ in range(repeats):
         t = time.perf_counter_ns()
+        fn()
+        times.append(time.perf_counter_ns() - t)
+    return statistics.median(times) / 1e3
+
+
+def mac_us(payload: bytes, repeats: int) -> float:
+    """Median seal + open of one frame carrying `payload`, microseconds."""
+    d, a = (frames.FrameKeys.derive(b"k" * 32, b"d" * 32, b"a" * 32, dialed) for dialed in (True, False))
+    header = HEADER.pack(len(payload), 2)
+
+    def one() -> None:
         tag = d.seal(header, payload)
         d.commit()
         a.open(header, payload, tag)
-        times.append(time.perf_counter_ns() - t)
-    return statistics.median(times) / 1e3
+    return median_us(one, repeats)
 
 
 def decode_us(payload: bytes, repeats: int) -> float:
     """Median wire.decode of `payload`, microseconds: what the receiver already pays per order."""
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter_ns()
-        wire.decode(payload)
-        times.append(time.perf_counter_ns() - t)
-    return statistics.median(times) / 1e3
+    return median_us(lambda: wire.decode(payload), repeats)
 
 
 def trip_us(payloads: dict[str, bytes], repeats: int) -> dict[str, float]:

@@ -15,12 +15,11 @@ import threading
 import time
 
 import pytest
-from test_control_plane import _admitted, _make, assert_still_serves
+from test_control_plane import FRAME, _admitted, _make, assert_still_serves
+from transfer_harness import until
 
 from sglang_disagg.backends import DeadlineExceeded, auth, control, frames
 from sglang_disagg.backends.regions import PeerState
-
-FRAME = struct.Struct("!IB")
 
 
 def _keys_pair() -> tuple[frames.FrameKeys, frames.FrameKeys]:
@@ -134,15 +133,6 @@ class Relay:
             s.close()
 
 
-def _wait(what, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while not what():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
 def _received(be, seconds: float) -> list[bytes]:
     got = []
     with contextlib.suppress(DeadlineExceeded, queue.Empty):
@@ -169,8 +159,8 @@ def test_a_relay_that_tampers_with_one_frame_resets_the_link(name, mode, caplog)
             peer.send(ORDER)
             peer.send(b"after")   # what "swap" puts first, what a "drop" makes fail
             assert relay.done.wait(5.0), "the relay saw no frame to tamper with"
-            assert _wait(lambda: server.peers() == [], 2.0), "the server kept the tampered link"
-            assert _wait(lambda: peer.state is PeerState.LOST, 2.0), f"the dialer's peer is {peer.state}"
+            assert until(lambda: server.peers() == [], 2.0, 0.01), "the server kept the tampered link"
+            assert until(lambda: peer.state is PeerState.LOST, 2.0, 0.01), f"the dialer's peer is {peer.state}"
             # Only what came before the tampered frame arrives: never it, nor anything after it.
             assert _received(server, 0.3) == ([ORDER] if mode == "replay" else [])
             assert "frame authentication failed" in caplog.text

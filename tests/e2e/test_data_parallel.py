@@ -141,30 +141,23 @@ def test_attention_dp_on_both_sides_gives_the_reference_tokens(stacks):
 
 
 def _zmq_listeners(stack) -> dict[int, str]:
-    """port -> bound address of every TCP listener of the stack's processes that greets like a
-    ZMQ socket: ZMTP 3 peers send their 10-byte signature (0xff ... 0x7f) as soon as a connection
-    opens, so this only connects and reads, sending nothing to any listener."""
+    """port -> bound address of every TCP listener of the stack's processes (test_fuzz.listening)
+    that greets like a ZMQ socket: ZMTP 3 peers send their 10-byte signature (0xff ... 0x7f) as
+    soon as a connection opens, so this only connects and reads, sending nothing to any listener."""
     import socket
 
-    import psutil
+    from .test_fuzz import listening
 
-    pids = set()
-    for p in stack.processes:
-        root = psutil.Process(p.pid)
-        pids |= {root.pid} | {c.pid for c in root.children(recursive=True)}
     found = {}
-    for c in psutil.net_connections("inet"):
-        if c.status != psutil.CONN_LISTEN or c.pid not in pids:
-            continue
+    for port, ip in listening(stack).items():
         try:
-            with socket.create_connection(("127.0.0.1" if c.laddr.ip in ("0.0.0.0", "::") else c.laddr.ip,
-                                           c.laddr.port), timeout=1.0) as s:
+            with socket.create_connection(("127.0.0.1" if ip in ("0.0.0.0", "::") else ip, port), timeout=1.0) as s:
                 s.settimeout(0.3)
                 greeting = s.recv(10)
         except OSError:
             continue
         if len(greeting) >= 10 and greeting[0] == 0xFF and greeting[9] == 0x7F:
-            found[c.laddr.port] = c.laddr.ip
+            found[port] = ip
     return found
 
 
