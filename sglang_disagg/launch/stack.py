@@ -31,7 +31,7 @@ from sglang_disagg.messenger.links import REFUSED_MARK
 from sglang_disagg.launch.ports import Listener, listening
 from sglang_disagg.launch.secret import with_secret
 from sglang_disagg.launch import keys, sharding
-from sglang_disagg.launch.process import ManagedProcess, StartupError, log_tail, stop_on_sigterm
+from sglang_disagg.launch.process import STOP_GRACE_S, ManagedProcess, StartupError, log_tail, stop_on_sigterm
 from sglang_disagg.models import is_builtin, resolve_model_path
 
 Progress = Callable[[str], None]
@@ -265,8 +265,12 @@ class Stack:
             for p in front:
                 p.wait_exit(deadline - time.monotonic())
         try:
+            # All at once: one grace for the stack, not one per process.
             for p in reversed(self.processes):
-                p.stop()
+                p.terminate()
+            deadline = time.monotonic() + STOP_GRACE_S
+            for p in reversed(self.processes):
+                p.reap(deadline)
         finally:
             private_files.remove(list(self._private))
 
