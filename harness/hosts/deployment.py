@@ -90,11 +90,13 @@ class Node:
         return self.proc.wait(timeout)
 
     def stop(self) -> None:
-        """SIGTERM to the launcher inside the host (nsenter's child), then SIGKILL to what is left."""
+        """SIGINT to the launcher inside the host (nsenter's child), then SIGKILL to what is left.
+        SIGINT is Ctrl-C, "stop now": SIGTERM would first drain the decoders, and SGLang notices
+        a drain request only on its next 5 s tick; a test's teardown has nothing in flight."""
         if self.proc.poll() is None:
             with contextlib.suppress(OSError):
                 for child in Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split():
-                    os.kill(int(child), signal.SIGTERM)
+                    os.kill(int(child), signal.SIGINT)
             try:
                 self.proc.wait(15)
             except subprocess.TimeoutExpired:

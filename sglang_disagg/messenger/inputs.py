@@ -27,6 +27,14 @@ class DecoderJoined(MessengerInput):
 
 
 @dataclass(frozen=True, slots=True)
+class DecoderLeft(MessengerInput):
+    """A decoder's control connection was lost (or replaced by a later Hello on it), its
+    orders' cancels already out: every rank forgets its link (decoderlinks.py)."""
+
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
 class OrderTicket(MessengerInput):
     key: str
     order: PrefillOrder

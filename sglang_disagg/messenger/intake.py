@@ -5,7 +5,7 @@ was lost are noticed there too.
 Control thread: on_message() answers first contact (Welcome or Refuse) and refuses bad orders
 at once; everything that touches the scheduler is queued. Scheduler thread (leader):
 drain() takes the queue, plus one CancelTicket per order of every decoder lost since the
-last look. Nothing here touches SGLang.
+last look and then its DecoderLeft. Nothing here touches SGLang.
 
 Bounded: the decoder tables hold one key per live control connection that said Hello (a
 second Hello on a connection replaces its key), a lost connection's key is forgotten once
@@ -25,7 +25,7 @@ from typing import Any
 from ..backends import PeerState
 from . import compat, wire
 from .faults import HoldOrders
-from .inputs import CancelTicket, DecoderJoined, MessengerInput, OrderTicket
+from .inputs import CancelTicket, DecoderJoined, DecoderLeft, MessengerInput, OrderTicket
 from .node import Node
 from .planner import ShardPlan, pages_for
 
@@ -166,6 +166,7 @@ class Intake:
                                               if isinstance(i, OrderTicket) and i.key == key}
                 logger.warning("messenger: decoder %s %s: cancelling its %d order(s)", key[:12], why, len(tags))
                 out += [CancelTicket(key, tag) for tag in sorted(tags)]
+                out.append(DecoderLeft(key))  # after its cancels: the ranks drop its link
                 if why == "lost":
                     self._forget(key)
         return out

@@ -38,6 +38,8 @@ GAUGES = {  # name -> (help, label)
     "sglang_disagg_control_connections_dropped": ("Control connections the messenger port closed before they "
                                                   "said HELLO: evicted for a newcomer, or refused with every slot "
                                                   "admitted", "why"),
+    "sglang_disagg_metrics_connections_dropped": ("Connections this metrics port cut: evicted for a newcomer "
+                                                  "at its connection limit, or past its request deadline", "why"),
     "sglang_disagg_notifications_dropped": ("Data-plane notifications dropped unbelieved (NIXL, Mooncake), by "
                                             "reason", "reason"),
 }
@@ -57,7 +59,9 @@ class Cause(enum.Enum):
 
 class MessengerMetrics:
     def __init__(self, role: str, host: str, port: int) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        from . import metrics_http
 
         self.registry = r = CollectorRegistry()
         self.requests = Counter("sglang_disagg_requests", "Requests by outcome", ["outcome"], registry=r)
@@ -88,8 +92,8 @@ class MessengerMetrics:
         self._state: Callable[[], dict[str, dict[str, float]]] | None = None
         r.register(_StateCollector(self))
         self.server = None
-        if port:
-            self.server, _ = start_http_server(port, addr=host, registry=r)
+        if port:  # bounded: a connection limit with eviction and a whole-request deadline
+            self.server = metrics_http.serve(host, port, r)
             logger.info("messenger %s: Prometheus metrics on http://%s:%d/metrics", role, host, port)
 
     def observe_ttft(self, phase: str, start: float | None, end: float | None) -> None:
@@ -142,6 +146,10 @@ class _StateCollector:
                     break
                 except RuntimeError:
                     continue
+        server = self.metrics.server
+        if server is not None:  # the listener's own counts, whatever the scheduler publishes
+            state = {**state, "sglang_disagg_metrics_connections_dropped": {
+                "evicted": server.evicted, "deadline": server.timed_out}}
         for name, (doc, label) in GAUGES.items():
             family = GaugeMetricFamily(name, doc, labels=[label])
             for key, value in state.get(name, {}).items():

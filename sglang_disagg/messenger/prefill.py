@@ -5,7 +5,7 @@ pages, with the order's immediate, as soon as that chunk's forward ends.
 Scheduler-side contract (messenger/contract.py; hooks.py calls these on every TP rank, in the
 scheduler thread):
   leader_inputs()        (leader) decoders' Hello/orders/cancels, injected into the broadcast
-  apply(input)           DecoderJoined / OrderTicket / CancelTicket, the same on every rank
+  apply(input)           DecoderJoined / OrderTicket / CancelTicket / DecoderLeft, the same on every rank
   take(req)              a request reaching the queue: orders pass, anything else is refused
   after_forward(batch)   post the writes of every page the forward completed
   hold_release(req, cp)  a finished order keeps its pages until its writes completed
@@ -41,7 +41,8 @@ from ..backends import PeerState, TransferError
 from ..devices import for_device
 from . import wire
 from .config import MessengerConfig
-from .inputs import CancelTicket, DecoderJoined, MessengerInput, OrderTicket
+from .decoderlinks import DecoderLinks
+from .inputs import CancelTicket, DecoderJoined, DecoderLeft, MessengerInput, OrderTicket
 from .intake import Intake
 from .faults import ENV as FAULT_ENV, CorruptSource
 from .kvpool import post
@@ -64,7 +65,7 @@ class PrefillMessenger:
         self.cfg, self.sched = cfg, scheduler
         self.node = Node(cfg, scheduler)
         self.ranks, self.backend = self.node.ranks, self.node.backend
-        self.decoders: dict[str, DecoderLink] = {}
+        self.decoders = DecoderLinks()  # bounded: dropped when their decoder left (decoderlinks.py)
         self.records: dict[str, Record] = {}        # prefill rid -> record
         self._seq = itertools.count()
         self.intake = Intake(self.node, self.ranks.size, int(scheduler.model_config.vocab_size)) \
@@ -104,17 +105,20 @@ class PrefillMessenger:
             self._admit(item)
         elif isinstance(item, CancelTicket):
             self._cancel(item)
+        elif isinstance(item, DecoderLeft):
+            self.decoders.leave(item.key, busy=self._busy(item.key))
+
+    def _busy(self, key: str) -> bool:
+        return any(r.key == key for r in self.records.values())
 
     def _join(self, item: DecoderJoined) -> None:
         hello = item.hello
         link = DecoderLink(hello, ShardPlan.build(self.node.view.geometry, self.ranks.size, hello.kv.tp))
-        old = self.decoders.get(item.key)
-        self.decoders[item.key] = link
-        if not self.ranks.is_leader:
-            return
         # A decoder whose control connection dropped says Hello again: keep our connection to
         # it when that one lives (closing it would fail the decoder's transfers from us).
-        kept = old.peers.get(0) if old is not None else None
+        kept = self.decoders.join(item.key, link)
+        if not self.ranks.is_leader:
+            return
         try:
             self._connect(link, kept if kept is not None and kept.id == hello.ranks[0].instance else None)
         except Exception as e:  # noqa: BLE001 - orders from this decoder will fail with it
@@ -350,7 +354,7 @@ class PrefillMessenger:
         return scheduler_state(self.sched, self.node.page_size) | self.node.backend_gauges() | {
             "sglang_disagg_requests_in_flight": {"orders": len(records)},
             "sglang_disagg_peer_outstanding": {link.hello.decoder: per_decoder[key]
-                                               for key, link in list(self.decoders.items())}}
+                                               for key, link in self.decoders.items()}}
 
     def snapshot(self) -> dict:
         return self.node.describe(self.sched) | self.stats | {
@@ -370,6 +374,7 @@ class PrefillMessenger:
                         rec.times["admit"], len(rec.order.token_ids),
                         ", ".join(f"{k} {1000 * (v - t['admit']):.1f}" for k, v in t.items()))
         del self.records[rec.rid]
+        self.decoders.settled(rec.key, busy=self._busy(rec.key))
         if rec.req is not None:
             release(self.sched, rec.req, checkpoint=rec.checkpoint)
         m, t = self.node.metrics, rec.times
@@ -425,4 +430,5 @@ class PrefillMessenger:
     def close(self) -> None:
         if self.streamer is not None:
             self.streamer.close()
+        self.decoders.close()
         self.node.close()

@@ -25,7 +25,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from sglang_disagg.launch import Role
 from sglang_disagg.launch.client import generate_ids, greedy, post_json
 from sglang_disagg.models import ensure_model, get_spec
 
@@ -281,9 +280,8 @@ def _reference_tokens(stacks, shape: str) -> None:
     assert seen == before + 2 * len(prompts)
 
 
-def test_replica_dp_on_both_sides_gives_the_colocated_tokens(stacks):
-    prompts = prompts_for("tiny-llama")
-    colocated = run_sequential(stacks.get(StackSpec(role=Role.COLOCATED)).url, prompts)
+def test_replica_dp_on_both_sides_gives_the_colocated_tokens(stacks, references):
+    prompts, colocated = references("tiny-llama")  # the session's colocated run, not a server of its own
     stack = stacks.get(REPLICAS)
     assert_same(run_sequential(stack.url, prompts), colocated, prompts)
     assert_same(run_concurrent(stack.url, prompts), colocated, prompts)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import subprocess
@@ -60,26 +61,76 @@ def _this_machines_address() -> str:
     return found[0]
 
 
+def _status(method: str, url: str, body: dict | None = None, key: str | None = None) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method, headers={
+        "Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, r.read().decode(errors="replace")
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(errors="replace")
+
+
 def test_role_all_off_loopback_asks_keys_and_says_where_a_client_finds_its_own(tmp_path):
     """Bound to an address other machines reach, the same stack asks every HTTP request for a
-    key; the launcher's own requests (adding the decoder to the router, the routability check,
-    the smoke question) present them, and it says where a client finds the API key."""
+    key: without one or with a wrong one /generate and /v1/chat/completions are refused (401),
+    at the router and at the decode server; the API key serves, but does not open the router's
+    control plane, which the admin key does. The launcher's own requests (adding the decoder
+    to the router, the routability check) present the keys, and it says where a client finds
+    the API key; stopped, it removes the key files it wrote."""
     from sglang_disagg.backends import auth
     from sglang_disagg.launch import keys
 
-    host = _this_machines_address()
+    host, port = _this_machines_address(), next(_ports)
     secret = tmp_path / "given-secret"  # given, so the key is known here after the stack removed its files
     secret.write_text(auth.new_secret() + "\n")
     secret.chmod(0o600)
     logs = tmp_path / "logs"
-    r = _launch("--role", "all", "--smoke", "--host", host, "--port", str(next(_ports)), "--log-dir", str(logs),
-                "--secret-file", str(secret))
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "HTTP keys: on (HTTP ports of this deployment reach beyond this machine)" in r.stdout
-    assert f"export SGLANG_DISAGG_API_KEY=$(cat {logs}/api-key)" in r.stdout
-    assert "The capital of France is Paris." in r.stdout
-    key = keys.HttpKeys.derive(auth.load_secret({auth.SECRET_FILE_ENV: str(secret)})).api
-    assert len(key) == 64 and key not in r.stdout + r.stderr
+    proc = subprocess.Popen([sys.executable, "-m", "sglang_disagg.launch", "--role", "all", "--host", host,
+                             "--port", str(port), "--log-dir", str(logs), "--secret-file", str(secret)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 300
+        while not any("serving on" in line for line in out):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(out)
+            time.sleep(0.5)
+        api, admin = (logs / "api-key").read_text().strip(), (logs / "admin-key").read_text().strip()
+        derived = keys.HttpKeys.derive(auth.load_secret({auth.SECRET_FILE_ENV: str(secret)}))
+        assert (api, admin) == (derived.api, derived.admin) and len(api) == 64
+        router, decode = f"http://{host}:{port}", f"http://{host}:{port + 2}"
+        status, text = _status("GET", f"{router}/v1/models", key=api)
+        assert status == 200, text
+        model = json.loads(text)["data"][0]["id"]
+        gen = {"input_ids": [1, 9, 42], "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}}
+        ask = {"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+               "max_tokens": 32, "temperature": 0.0}
+        refused = {(path, where, key): _status("POST", f"{url}{path}", body, key)[0]
+                   for path, body in (("/generate", gen), ("/v1/chat/completions", ask))
+                   for where, url in (("router", router), ("decode", decode))
+                   for key in (None, "wrong-" + api[6:])}
+        assert set(refused.values()) == {401}, refused
+        status, text = _status("POST", f"{router}/v1/chat/completions", ask, api)
+        assert status == 200 and "Paris" in json.loads(text)["choices"][0]["message"]["content"], text
+        assert _status("POST", f"{router}/generate", gen, api)[0] == 200
+        assert _status("GET", f"{router}/workers", key=api)[0] == 401  # serving key, not the control plane
+        status, text = _status("GET", f"{router}/workers", key=admin)
+        assert status == 200 and decode in text, text
+    finally:
+        proc.send_signal(signal.SIGINT)  # Ctrl-C: stop now
+        rc = proc.wait(60)
+        reader.join(10)
+    text = "".join(out)
+    assert rc == 130, text
+    assert "HTTP keys: on (HTTP ports of this deployment reach beyond this machine)" in text
+    assert f"export SGLANG_DISAGG_API_KEY=$(cat {logs}/api-key)" in text
+    assert api not in text and admin not in text
     # Stopped, the stack removed the key files it wrote and kept the secret it was given.
     assert not (logs / "api-key").exists() and not (logs / "admin-key").exists() and secret.exists()
 

@@ -13,8 +13,10 @@ import pytest
 from sglang_disagg.backends import PeerState
 from sglang_disagg.backends.regions import RegionDescriptor
 from sglang_disagg.messenger import wire
-from sglang_disagg.messenger.inputs import CancelTicket, OrderTicket
+from sglang_disagg.messenger.decoderlinks import PARKED, DecoderLinks
+from sglang_disagg.messenger.inputs import CancelTicket, DecoderJoined, DecoderLeft, OrderTicket
 from sglang_disagg.messenger.intake import MAX_DECODERS, Intake
+from sglang_disagg.messenger.orders import DecoderLink
 from sglang_disagg.messenger.planner import Kind, KVGeometry
 
 
@@ -80,8 +82,8 @@ def test_a_lost_decoder_gets_one_cancel_per_open_or_queued_order_once():
     peer.state = PeerState.LOST
     assert intake.pending()
     got = intake.drain(lambda key: [5] if key == "d1" else [])
-    assert [type(i) for i in got] == [OrderTicket, CancelTicket, CancelTicket]
-    assert sorted(i.tag for i in got[1:]) == [5, 8]
+    assert [type(i) for i in got] == [OrderTicket, CancelTicket, CancelTicket, DecoderLeft]
+    assert sorted(i.tag for i in got[1:3]) == [5, 8] and got[3].key == "d1"
     assert not intake.pending() and intake.drain(lambda key: [5]) == []  # handled once per lost connection
 
 
@@ -103,21 +105,43 @@ def real_intake() -> Intake:
     return Intake(node, tp=1, vocab=4096)
 
 
+class DataPeer:
+    """The leader's data connection to a decoder, as DecoderLinks sees it."""
+
+    def __init__(self) -> None:
+        self.state, self.closed = PeerState.CONNECTED, False
+
+    def close(self) -> None:
+        self.closed, self.state = True, PeerState.CLOSED
+
+
 class Scheduler:
-    """What the scheduler keeps of the intake's inputs: each decoder's open orders."""
+    """What the scheduler keeps of the intake's inputs: each decoder's open orders, and the
+    links table (the real DecoderLinks, as PrefillMessenger drives it: an order here ends
+    when its cancel applies)."""
 
     def __init__(self, intake: Intake) -> None:
         self.intake, self.open = intake, collections.defaultdict(set)
+        self.links, self.data = DecoderLinks(), []
 
     def step(self) -> list:
         got = self.intake.drain(lambda key: set(self.open.get(key, ())))
         for i in got:
-            if isinstance(i, OrderTicket):
+            if isinstance(i, DecoderJoined):
+                kept = self.links.join(i.key, DecoderLink(i.hello, plan=None))
+                peer = kept if kept is not None and kept.state is PeerState.CONNECTED else DataPeer()
+                self.links[i.key].peers[0] = peer
+                if peer is not kept:
+                    self.data.append(peer)
+            elif isinstance(i, OrderTicket):
                 self.open[i.key].add(i.order.tag)
             elif isinstance(i, CancelTicket):
                 self.open[i.key].discard(i.tag)
                 if not self.open[i.key]:
                     del self.open[i.key]
+                self.links.settled(i.key, busy=bool(self.open.get(i.key)))
+            elif isinstance(i, DecoderLeft):
+                self.links.leave(i.key, busy=bool(self.open.get(i.key)))
         return got
 
 
@@ -147,6 +171,10 @@ def test_decoders_that_come_and_go_leave_nothing_behind(caplog):
     assert_empty(intake)
     assert sched.open == {}  # every order of every decoder was cancelled
     assert orders == 5_000
+    # No link outlives its decoder; live data connections of decoders that left are parked
+    # (for a Hello again) at most PARKED at a time, the others closed.
+    assert sched.links.sizes() == {"links": 0, "leaving": 0, "parked": PARKED}
+    assert len(sched.data) == 10_000 and sum(not p.closed for p in sched.data) == PARKED
 
 
 def test_hellos_on_one_connection_keep_one_key(caplog):
@@ -194,3 +222,32 @@ def test_a_decoder_beyond_max_decoders_is_refused_with_the_reason():
     sched.step()
     intake.on_message(peers[-1], hello())
     assert isinstance(peers[-1].sent[-1], wire.Welcome) and len(intake.peers) == MAX_DECODERS
+
+
+def test_a_decoder_that_says_hello_again_keeps_its_data_connection():
+    intake = real_intake()
+    sched = Scheduler(intake)
+    peer = FakePeer("d1")
+    intake.on_message(peer, hello())
+    intake.on_message(peer, order(tag=3))
+    sched.step()
+    data = sched.links["d1/0"].peers[0]
+    peer.state = PeerState.LOST  # the control connection only (ss -K): the decoder lives
+    sched.step()
+    assert sched.links.get("d1/0") is None and sched.links.sizes()["parked"] == 1 and not data.closed
+    again = FakePeer("d1")
+    intake.on_message(again, hello())
+    sched.step()
+    assert sched.links["d1/0"].peers[0] is data and not data.closed
+    assert sched.links.sizes() == {"links": 1, "leaving": 0, "parked": 0}
+
+
+def test_a_link_whose_order_is_still_here_is_dropped_when_that_order_ends():
+    links, data = DecoderLinks(), DataPeer()
+    links.join("d1/0", DecoderLink(hello(), plan=None, peers={0: data}))
+    links.leave("d1/0", busy=True)  # a cancelled order still in the forward reads its link
+    assert links.get("d1/0") is not None and links.sizes()["leaving"] == 1
+    links.settled("d1/0", busy=False)
+    assert links.sizes() == {"links": 0, "leaving": 0, "parked": 1}
+    links.close()
+    assert data.closed and links.sizes()["parked"] == 0

@@ -1,0 +1,114 @@
+"""The messenger's Prometheus listener, bounded like every other port of ours.
+
+prometheus_client's own ``start_http_server`` starts one thread per connection and reads
+without a deadline, so anyone who reaches the port can hold threads for ever (one idle
+connection each, or one byte now and then) and, with enough of them, keep the scraper out.
+Here, as on the control ports (backends/control.py):
+
+- at most ``MAX_CONNECTIONS`` at a time; a newcomer evicts the oldest (a scrape is answered
+  in milliseconds, so the oldest is the one most likely doing nothing);
+- one deadline for the whole exchange, ``REQUEST_DEADLINE_S`` from accept until the
+  response is sent, however slowly the bytes trickle in;
+- evictions and deadlines counted (``evicted``, ``timed_out``, both exported by the messenger as
+  ``sglang_disagg_metrics_connections_dropped{why}``) and logged at a bounded rate.
+
+The port is keyless by design (the numbers are operational, not secret; docs/security.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
+
+from .. import threads
+from ..ratelog import RateLog
+
+logger = logging.getLogger(__name__)
+
+MAX_CONNECTIONS = 32
+REQUEST_DEADLINE_S = 2.0
+_SWEEP_S = 0.2  # how often the serving loop looks for connections past their deadline
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, *args) -> None:  # a line per scrape (or per attacker) is noise
+        pass
+
+
+class BoundedMetricsServer(ThreadingWSGIServer):
+    daemon_threads = True
+    # socketserver's listen backlog is 5: past it the kernel drops SYNs and a scraper's connect
+    # waits out TCP's 1 s, 3 s, ... retries behind the flood, before any eviction could help.
+    request_queue_size = 128
+
+    def __init__(self, *args, **kwargs) -> None:
+        self._lock = threading.Lock()
+        self._live: dict[socket.socket, float] = {}  # oldest first: accept time (monotonic)
+        self.evicted = self.timed_out = 0
+        self._log = RateLog(10.0, logger)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request, client_address) -> None:
+        with self._lock:
+            while len(self._live) >= MAX_CONNECTIONS:
+                oldest = next(iter(self._live))
+                del self._live[oldest]
+                self.evicted += 1
+                _cut(oldest)
+            self._live[request] = time.monotonic()
+        if self.evicted:
+            self._log.warn("evicted", "messenger metrics: connection limit (%d) reached, oldest evicted; %d so far",
+                           MAX_CONNECTIONS, self.evicted)
+        super().process_request(request, client_address)
+
+    def service_actions(self) -> None:
+        """Called by the serving loop between accepts: cut what ran past its deadline."""
+        late = time.monotonic() - REQUEST_DEADLINE_S
+        with self._lock:
+            expired = [s for s, t in self._live.items() if t < late]
+            for s in expired:
+                del self._live[s]
+            self.timed_out += len(expired)
+        for s in expired:
+            _cut(s)
+        if expired:
+            self._log.warn("deadline", "messenger metrics: %d connection(s) cut at the %.0f s request deadline; "
+                           "%d so far", len(expired), REQUEST_DEADLINE_S, self.timed_out)
+
+    def shutdown_request(self, request) -> None:
+        with self._lock:
+            self._live.pop(request, None)
+        super().shutdown_request(request)
+
+    def handle_error(self, request, client_address) -> None:
+        pass  # a cut or reset connection; a traceback per attacker would be the flood's log
+
+    def live(self) -> int:
+        with self._lock:
+            return len(self._live)
+
+
+def _cut(sock: socket.socket) -> None:
+    """Unblock the thread reading it; the thread then closes it."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+def serve(host: str, port: int, registry: CollectorRegistry) -> BoundedMetricsServer:
+    """Listen on (host, port) and serve `registry` at any path, from a daemon thread."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+    class _Server(BoundedMetricsServer):
+        address_family = family
+
+    httpd = make_server(host, port, make_wsgi_app(registry), _Server, handler_class=_Quiet)
+    threads.Thread(target=httpd.serve_forever, args=(_SWEEP_S,), name="messenger-metrics", daemon=True).start()
+    return httpd
