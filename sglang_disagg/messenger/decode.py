@@ -107,7 +107,12 @@ class DecodeMessenger:
 
     # ----- leader decisions ---------------------------------------------------------
     def leader_inputs(self) -> list[Route]:
-        out = []
+        out: list[Route] = []
+        with self.node.owner_may_go(self._fail_all):
+            self._route(out)
+        return out
+
+    def _route(self, out: list[Route]) -> None:
         for e in self.entries.values():
             if e.phase is not Phase.ROUTE or e.routed:
                 continue
@@ -120,7 +125,6 @@ class DecodeMessenger:
                 link.outstanding += 1
                 out.append(Route(e.seq, self._next_tag(), link.address, link.prefill_tp, link.instances))
             e.routed = True
-        return out
 
     def _next_tag(self) -> int:
         # The server's one backend counts every DP group's writes by tag: group g takes the
@@ -214,6 +218,10 @@ class DecodeMessenger:
     def step(self) -> None:
         self.node.wakeup.clear()
         self.node.stop_if_owner_gone(self._fail_all)
+        with self.node.owner_may_go(self._fail_all):
+            self._step()
+
+    def _step(self) -> None:
         if not self.entries and not self._inbox:
             # Nothing of ours in flight and nothing arrived: the requests decoding hold their
             # KV and are SGLang's alone, so a decode step pays only this test. (Entries are

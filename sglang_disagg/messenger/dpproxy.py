@@ -197,7 +197,9 @@ class ProxyBackend:
             self._chan.close()
             raise PeerLostError(why) from e
         except OSError as e:
-            raise PeerLostError(f"the server's messenger owner is gone: {e}") from e
+            why = f"the server's messenger owner (DP group 0) is gone: {e}"
+            self._fail_all(why)  # now, not when the reader notices: `gone` must say it to the step
+            raise PeerLostError(why) from e
 
     def _peer(self, pid: int, instance: str, address: str) -> ProxyPeer:
         with self._lock:

@@ -3,6 +3,7 @@ rank group, and (on the leader) the thread that reads control messages."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -12,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..backends import BackendConfig, auth, create_backend
+from ..backends import BackendConfig, PeerLostError, auth, create_backend
 from ..backends.notifications import NotifDrops
 from ..backends.regions import HOST, cuda
 from .. import cumem, handover, shm
@@ -209,6 +210,19 @@ class Node:
             raise RuntimeError(f"messenger: DP group {self.group}: {why}; stopping this server, which lost its "
                                "transfer backend (it would serve half-alive)")
         self.wakeup.set()  # come back for the deadline
+
+    @contextlib.contextmanager
+    def owner_may_go(self, fail_all: Callable[[str], None]):
+        """DP group > 0, around a step: the owner can die after stop_if_owner_gone looked, and
+        a call to it then raises PeerLostError. That ends the step and the group fails what it
+        holds, as the next step would; the scheduler does not die of the exception with its
+        clients unanswered (seen: a request being routed asked the owner for a tag)."""
+        try:
+            yield
+        except PeerLostError:
+            if not self.owner_gone():
+                raise
+            self.stop_if_owner_gone(fail_all)
 
     def order_done(self, instance: str, tag: int) -> None:
         """Prefill, DP: this group finished an order of decoder `instance` (the owner gives

@@ -331,6 +331,10 @@ class PrefillMessenger:
     def step(self) -> None:
         self.node.wakeup.clear()
         self.node.stop_if_owner_gone(self._fail_all)
+        with self.node.owner_may_go(self._fail_all):
+            self._step()
+
+    def _step(self) -> None:
         live = [r for r in self.records.values() if r.held]
         flags = []
         for r in live:

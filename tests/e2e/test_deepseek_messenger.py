@@ -103,12 +103,14 @@ def _writes(stack, role: str = "decode") -> float:
     return value(scrape("127.0.0.1", getattr(stack.cfg.ports, f"{role}_metrics")), "sglang_disagg_kv_writes_total")
 
 
+# Every TP pair and every backend once; the latent crosses the transfer libraries' own write
+# paths too (UCX, Mooncake's engine). shmem TP 2 -> 1 also runs in the draw and NEXTN tests.
 PAIRS = [
     pytest.param("shmem", None, 1, 1, id="shmem-1-1"),
-    pytest.param("shmem", None, 2, 1, id="shmem-2-1"),
-    pytest.param("shmem", None, 1, 2, id="shmem-1-2"),
     pytest.param("shmem", None, 2, 2, id="shmem-2-2"),
     pytest.param("libfabric", "tcp", 2, 1, id="libfabric-tcp-2-1"),
+    pytest.param("nixl", None, 2, 1, id="nixl-2-1"),
+    pytest.param("mooncake", None, 1, 2, id="mooncake-1-2"),
 ]
 
 
@@ -180,20 +182,32 @@ def test_the_drawn_source_is_the_one_read(colocated):
     assert differ == drew_1, f"differing {sorted(differ)}, drew the corrupted rank {sorted(drew_1)}"
 
 
-def _geometry_refused(stack) -> None:
-    """A decoder whose latent differs (kv_lora_rank 64 + rope 32), against the live prefill
-    server: refused at first contact, naming the latent's parts."""
+def _refusal(stack, **latent) -> str:
+    """First contact from a hand-made decoder whose latent is this server's but for `latent`:
+    the link's reason."""
     secret = auth.load_secret({auth.SECRET_FILE_ENV: stack.cfg.secret_file})
     backend = create_backend("libfabric", BackendConfig(provider="tcp", host="127.0.0.1", port=0, secret=secret))
-    kv = wire.KVSpec(model=MODEL, fingerprint=compat.fingerprint(str(ensure_model(MODEL))), num_layers=LAYERS,
-                     kv_heads=1, head_dim=96, v_head_dim=0, page_size=PAGE, dtype="float32", layout="hnd", tp=1,
-                     kv_lora_rank=64, rope_dim=32, replicated=True)
-    hello = wire.Hello(decoder="test", backend="libfabric", provider="tcp", kv=kv, ranks=())
+    fields = dict(model=MODEL, fingerprint=compat.fingerprint(str(ensure_model(MODEL))), num_layers=LAYERS,
+                  kv_heads=1, head_dim=160, v_head_dim=0, page_size=PAGE, dtype="float32", layout="hnd", tp=1,
+                  kv_lora_rank=128, rope_dim=32, replicated=True)
+    hello = wire.Hello(decoder="test", backend="libfabric", provider="tcp", kv=wire.KVSpec(**fields | latent),
+                       ranks=())
     link, _ = first_contact(backend, hello, f"127.0.0.1:{stack.cfg.ports.bootstrap}")
-    assert REFUSED_MARK in link.reason
-    assert "kv_lora_rank differs (decoder: 64, prefill: 128)" in link.reason, link.reason
-    assert "head_dim differs (decoder: 96, prefill: 160)" in link.reason, link.reason
-    assert "rope_dim" not in link.reason and "replicated" not in link.reason, link.reason
+    assert REFUSED_MARK in link.reason, link.reason
+    return link.reason
+
+
+def _geometry_refused(stack) -> None:
+    """Decoders whose latent differs, against the live prefill server: refused at first
+    contact, naming what differs: the latent's parts (kv_lora_rank 64 + rope 32), or its
+    dtype alone (bf16 pages would read the float32 latent as garbage)."""
+    reason = _refusal(stack, head_dim=96, kv_lora_rank=64)
+    assert "kv_lora_rank differs (decoder: 64, prefill: 128)" in reason, reason
+    assert "head_dim differs (decoder: 96, prefill: 160)" in reason, reason
+    assert "rope_dim" not in reason and "replicated" not in reason, reason
+    reason = _refusal(stack, dtype="bfloat16")
+    assert "dtype differs (decoder: bfloat16, prefill: float32)" in reason, reason
+    assert "kv_lora_rank" not in reason and "head_dim" not in reason, reason
 
 
 def test_missing_layer_differs_refusal_and_dropped_connection(colocated):

@@ -258,8 +258,12 @@ def test_a_killed_decoder_is_forgotten_by_its_prefill_server(fs, references):
     tte = call.done_at - t0
     t_free, leak_p = fs.released(p, t0)
     assert tte < FAULT_DEADLINE_S and leak_p == 0, (tte, leak_p)
+    # Served (+1) or not (+0): libfabric tcp completes a write once it is in the socket, so writes
+    # posted before the stop may complete after the decoder died (seen under load: every write
+    # was posted before the prefill server stopped); what "forgotten" promises is above (its
+    # pages and orders freed in time) and below (it serves the next decoder).
     served = value(fs.metrics(p), "sglang_disagg_requests_total", outcome="served")
-    assert served == served_before, f"the prefill server counted the dead decoder's request served ({served})"
+    assert served - served_before in (0, 1), f"the prefill server's served count moved by {served - served_before}"
     fs.d.restart("decode")  # a new decoder (new instance) reaches the same prefill server
     ok = check_next(fs, references, 8, via=p)
     row("2 decoder killed (SIGKILL)", tte, leak_p, ok, f"prefill freed its pages and orders in {t_free:.3f}s")

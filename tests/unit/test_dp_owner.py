@@ -136,6 +136,46 @@ def test_the_owner_gone_fails_the_group_at_once():
         prefill.close()
 
 
+def test_an_owner_gone_mid_step_fails_the_group_instead_of_killing_its_scheduler():
+    """The owner dies after a step's check and before a call to it (seen in CI: a request
+    being routed asked it whether a tag was retired): Node.owner_may_go ends the step and the
+    group fails what it holds with the reason; a PeerLostError that is not the owner's still
+    propagates. The real owner and proxy; the node is the two methods the guard calls."""
+    import threading
+    import types
+
+    from sglang_disagg.messenger.node import Node
+
+    def node_of(backend) -> types.SimpleNamespace:
+        node = types.SimpleNamespace(backend=backend, _owner_lost_at=0.0, group=1, wakeup=threading.Event())
+        node.owner_gone = types.MethodType(Node.owner_gone, node)
+        node.stop_if_owner_gone = types.MethodType(Node.stop_if_owner_gone, node)
+        return node
+
+    owner_backend = _backend("shmem", None)
+    path = _path()
+    owner = Owner(owner_backend, path, MessengerRole.DECODE, groups=2)
+    group = ProxyBackend(path, 1, deadline_s=5.0)
+    try:
+        node, failed = node_of(group), []
+        assert group.is_retired(5) is False
+        owner.close()
+        t0 = time.monotonic()
+        with Node.owner_may_go(node, failed.append):
+            group.is_retired(7)
+            pytest.fail("a call to an owner that is gone returned")
+        assert time.monotonic() - t0 < 2.0
+        assert len(failed) == 1 and failed[0].startswith("this server's messenger is gone (") and "owner" in failed[0]
+        alive = node_of(types.SimpleNamespace())  # no proxy: the error is some peer's, not the owner's
+        with pytest.raises(PeerLostError, match="a prefill server"):
+            with Node.owner_may_go(alive, failed.append):
+                raise PeerLostError("a prefill server was lost")
+        assert len(failed) == 1
+    finally:
+        group.close()
+        owner_backend.close()
+
+
 def test_a_group_with_no_owner_says_so():
     with pytest.raises(TransferError, match="no messenger owner"):
         ProxyBackend(_path(), 1, deadline_s=0.2)
