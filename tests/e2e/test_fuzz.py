@@ -15,6 +15,7 @@ import json
 import random
 import socket
 import struct
+import threading
 import time
 from pathlib import Path
 
@@ -127,11 +128,29 @@ def test_hostile_input_to_every_messenger_port_leaves_the_stack_serving_token_ex
     cfg = stack.cfg
     control = [f"{cfg.host}:{cfg.ports.bootstrap}", _decoder_control(stack)]
     metrics = [f"{cfg.host}:{cfg.ports.prefill_metrics}", f"{cfg.host}:{cfg.ports.decode_metrics}"]
-    for address in control + metrics:
-        for payload in PAYLOADS:
-            took = _hostile(address, payload)
-            if address in control:  # ours close at once (metrics is HTTP: it may answer 400 first)
-                assert took < 2.5, (address, payload[:20], took)
+    # The junk flows, round after round, while legitimate requests are served token-exact.
+    sent: list[tuple[str, bytes, float]] = []
+    stop = threading.Event()
+
+    def junk() -> None:
+        while not stop.is_set() or not sent:
+            for address in control + metrics:
+                for payload in PAYLOADS:
+                    sent.append((address, payload, _hostile(address, payload)))
+
+    flow = threading.Thread(target=junk, daemon=True)
+    flow.start()
+    try:
+        during = run_sequential(stack.url, prompts[2:5])
+    finally:
+        stop.set()
+        flow.join(120)
+    assert not flow.is_alive()
+    assert_same(during, expected[2:5], prompts[2:5])
+    assert len(sent) >= len(PAYLOADS) * len(control + metrics)
+    for address, payload, took in sent:
+        if address in control:  # ours close at once (metrics is HTTP: it may answer 400 first)
+            assert took < 2.5, (address, payload[:20], took)
     for address in control:  # a wrong secret, from a real backend
         with create_backend(cfg.transfer_backend, BackendConfig(provider=cfg.transfer_provider,
                                                                 secret=b"x" * 32)) as intruder:
