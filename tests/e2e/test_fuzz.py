@@ -26,7 +26,7 @@ from sglang_disagg.backends import BackendConfig, TransferError, create_backend
 from sglang_disagg.messenger import compat, wire
 from sglang_disagg.models import ensure_model
 
-from .conftest import assert_same, run_sequential
+from .conftest import DEFAULT, StackSpec, assert_same, run_sequential
 from .faultlib import drop_connections, wait_until
 from .flood import SlowFlood
 from .test_metrics import scrape, value
@@ -196,7 +196,11 @@ def _link(stack) -> dict:
     return link
 
 
-def test_a_slow_handshake_flood_neither_stops_serving_nor_a_relink(stack, references):
+# The default stack first (the module's other tests use it), then libfabric tcp: the same control
+# plane in front of another data plane, whose own connections must not count against the flood.
+@pytest.mark.parametrize("spec", [DEFAULT, StackSpec(backend="libfabric", provider="tcp")],
+                         ids=["shmem", "libfabric-tcp"])
+def test_a_slow_handshake_flood_neither_stops_serving_nor_a_relink(spec, stacks, references):
     """300 connections to the prefill messenger port that never finish a handshake (one byte
     every 1.5 s, reopened the moment the server closes one), from 51 loopback addresses, the
     decoder's own among them: the decoder's control connection dropped during the flood re-links
@@ -205,6 +209,7 @@ def test_a_slow_handshake_flood_neither_stops_serving_nor_a_relink(stack, refere
     timeout per read): every request failed with 503 for as long as the flood ran, and the log
     got ~400,000 lines in 30 s (issue "Hostile networks")."""
     prompts, expected = references("tiny-llama")
+    stack = stacks.get(spec)
     cfg = stack.cfg
     log = Path(stack.log_dir) / "prefill.log"
     lines_before = len(log.read_bytes().splitlines())
