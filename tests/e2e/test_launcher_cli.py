@@ -61,6 +61,23 @@ def _this_machines_address() -> str:
     return found[0]
 
 
+def _serving(*args: str) -> tuple[subprocess.Popen, list[str], threading.Thread]:
+    """The launcher started with `args` and serving (its "serving on" line printed): the process,
+    its output lines so far (a thread keeps reading them) and that thread."""
+    proc = subprocess.Popen([sys.executable, "-m", "sglang_disagg.launch", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 300
+    while not any("serving on" in line for line in out):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail("the launcher did not come up:\n" + "".join(out))
+        time.sleep(0.5)
+    return proc, out, reader
+
+
 def _status(method: str, url: str, body: dict | None = None, key: str | None = None) -> tuple[int, str]:
     import urllib.error
     import urllib.request
@@ -90,17 +107,9 @@ def test_role_all_off_loopback_asks_keys_and_says_where_a_client_finds_its_own(t
     secret.write_text(auth.new_secret() + "\n")
     secret.chmod(0o600)
     logs = tmp_path / "logs"
-    proc = subprocess.Popen([sys.executable, "-m", "sglang_disagg.launch", "--role", "all", "--host", host,
-                             "--port", str(port), "--log-dir", str(logs), "--secret-file", str(secret)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out: list[str] = []
-    reader = threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True)
-    reader.start()
+    proc, out, reader = _serving("--role", "all", "--host", host, "--port", str(port), "--log-dir", str(logs),
+                                 "--secret-file", str(secret))
     try:
-        deadline = time.monotonic() + 300
-        while not any("serving on" in line for line in out):
-            assert proc.poll() is None and time.monotonic() < deadline, "".join(out)
-            time.sleep(0.5)
         api, admin = (logs / "api-key").read_text().strip(), (logs / "admin-key").read_text().strip()
         derived = keys.HttpKeys.derive(auth.load_secret({auth.SECRET_FILE_ENV: str(secret)}))
         assert (api, admin) == (derived.api, derived.admin) and len(api) == 64
@@ -174,17 +183,9 @@ def test_provider_shm_is_refused_saying_why(tmp_path):
 
 def test_sigterm_lets_the_request_in_flight_finish_then_stops_everything(tmp_path):
     port = next(_ports)
-    proc = subprocess.Popen([sys.executable, "-m", "sglang_disagg.launch", "--role", "all", "--port", str(port),
-                             "--model-path", "tiny-llama", "--log-dir", str(tmp_path), "--drain-timeout", "60"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out: list[str] = []
-    reader = threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True)
-    reader.start()
+    proc, out, _ = _serving("--role", "all", "--port", str(port), "--model-path", "tiny-llama",
+                            "--log-dir", str(tmp_path), "--drain-timeout", "60")
     try:
-        deadline = time.monotonic() + 300
-        while not any("serving on" in line for line in out):
-            assert proc.poll() is None and time.monotonic() < deadline, "".join(out)
-            time.sleep(0.5)
         got: list = []
         request = threading.Thread(target=lambda: got.append(
             generate_ids(f"http://127.0.0.1:{port}", [1] + list(range(100, 160)), 1000)))
