@@ -33,9 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -44,6 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import results_doc  # noqa: E402
 from harness import threadcpu  # noqa: E402
 from load_client import Result, stream_generate  # noqa: E402
 from stack_configs import launch_config  # noqa: E402
@@ -208,7 +207,7 @@ def plot(summary: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true", help="3 configurations, B 1 and 4, 2 repeats")
@@ -216,7 +215,8 @@ def main() -> None:
     ap.add_argument("--batches", nargs="+", type=int)
     ap.add_argument("--repeats", type=int)
     ap.add_argument("--port", type=int, default=29000)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    record = results_doc.Run.begin(argv, __file__)
     configs = args.configs or (QUICK if args.quick else CONFIGS)
     batches = args.batches or ([1, 4] if args.quick else [1, 4, 8, 16])
     repeats = args.repeats or (2 if args.quick else 5)
@@ -226,19 +226,24 @@ def main() -> None:
     os.sched_setaffinity(0, {0})  # the client with the prefill server and the router
     runs: list[dict] = []
     failures: list[dict] = []
-    started = time.time()
+    started = record.started
 
     def write() -> list[dict]:
         # After every stack, so that a run stopped or broken midway keeps what it measured.
         summary = summarize(runs)
-        result = {"host": platform.node(), "cpus": os.cpu_count(), "model": MODEL, "time": time.strftime(
-            "%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)), "duration_s": round(time.time() - started),
-            "window_s": WINDOW_S, "prompt_len": PROMPT_LEN, "long_len": LONG_LEN,
-            "max_new_tokens": MAX_NEW_TOKENS, "pool_tokens": POOL_TOKENS, "server_args": SERVER_ARGS,
-            "configs": configs, "batches": batches, "repeats": repeats,
-            "layout": "--role all --pin-cores: prefill + router + client on core 0, decode server on core 1",
-            "failures": failures, "summary": summary, "runs": runs}
-        (out / "decode_tax.json").write_text(json.dumps(result, indent=1))
+        result = {"host": record.machine.host, "cpus": record.machine.cores, "model": MODEL, "time": record.date,
+                  "duration_s": round(time.time() - started), "window_s": WINDOW_S, "prompt_len": PROMPT_LEN,
+                  "long_len": LONG_LEN, "max_new_tokens": MAX_NEW_TOKENS, "pool_tokens": POOL_TOKENS,
+                  "server_args": SERVER_ARGS, "configs": configs, "batches": batches, "repeats": repeats,
+                  "layout": "--role all --pin-cores: prefill + router + client on core 0, decode server on core 1",
+                  "failures": failures, "summary": summary, "runs": runs}
+        # "runs" holds every window; raw_repeats the same figures per row of the summary.
+        record.write(out / "decode_tax.json", result, indent=1, raw_repeats=results_doc.group_repeats(
+            sorted(runs, key=lambda r: r["repeat"]), ("config", "condition", "batch"),
+            ("repeat", "itl_p50_ms", "itl_p99_ms", "ours_pct", "long_first_token_s")),
+            notes=["summary: per (config, condition, batch) the median over repeats of each window's ITL p50 "
+                   "and its range; vs_upstream_pd: that median over SGLang's PD decoder's (a plain "
+                   "upstream row) in the same condition and batch"])
         if summary:
             plot(summary, out / "decode_tax.png")
         return summary
@@ -276,4 +281,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import sys
 import tempfile
@@ -35,6 +34,7 @@ from sglang_disagg.launch.client import generate_ids
 from sglang_disagg.models import resolve_model_path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import results_doc  # noqa: E402
 from single_request import prompt_of  # noqa: E402
 
 PAIRS = ((2, 1), (1, 2))
@@ -92,6 +92,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--prompt-tokens", nargs="+", type=int, default=[128, 512, 1024])
     ap.add_argument("--port", type=int, default=34400)
     args = ap.parse_args(argv)
+    record = results_doc.Run.begin(argv, __file__)
     args.out.mkdir(parents=True, exist_ok=True)
     cfg = json.loads((resolve_model_path(args.model) / "config.json").read_text())
     layers = cfg["num_hidden_layers"]
@@ -125,10 +126,11 @@ def main(argv: list[str]) -> int:
     doc = {"model": args.model, "layers": layers, "latent_dims": cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"],
            "floor_bytes_per_token_per_decode_rank": floor, "prompt_tokens": [len(p) for p in prompts],
            "carried_tokens": carried_tokens, "pages": pages, "tokens_identical_across_configs": same,
-           "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-           "command": "python benchmarks/deepseek_kv.py " + " ".join(argv), "wall_s": round(time.time() - t0),
-           "date": time.strftime("%Y-%m-%d"), "rows": rows, "note": UPSTREAM_NOTE}
-    (args.out / "deepseek_kv.json").write_text(json.dumps(doc, indent=1) + "\n")
+           "wall_s": round(time.time() - t0), "rows": rows, "note": UPSTREAM_NOTE}
+    record.write(args.out / "deepseek_kv.json", doc, indent=1, notes=[
+        "each row is one stack serving every prompt once (no repeats): bytes and writes are its counters' "
+        "deltas over those prompts, per request and per carried prompt token; how the upstream rows' "
+        "figures are read: \"note\""])
     plot(doc, args.out / "deepseek_kv.png")
     for r in rows:
         w = f"writes/request {r['writes_per_request']:.1f} (planned {r['writes_expected'] / len(prompts):.1f})" \

@@ -18,9 +18,7 @@ small; the comparison is the point.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -31,6 +29,7 @@ from sglang_disagg.launch import LaunchConfig, Role, Stack
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import load_client  # noqa: E402
+import results_doc  # noqa: E402
 
 CONFIGS = {"decode-tp2": dict(decode_tp=2), "decode-attn-dp2": dict(decode_tp=2, decode_attn_dp=2)}
 
@@ -71,6 +70,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--port", type=int, default=30400)
     args = ap.parse_args(argv)
+    record = results_doc.Run.begin(argv, __file__)
     args.out.mkdir(parents=True, exist_ok=True)
     logs = Path(tempfile.mkdtemp(prefix="bench-dp-"))
     rows, t0 = [], time.time()
@@ -80,7 +80,7 @@ def main(argv: list[str]) -> int:
                 cfg = LaunchConfig(role=Role.ALL, model=args.model, backend="shmem", prefill_tp=2,
                                    max_total_tokens=8192, port=args.port + 30 * k,
                                    log_dir=str(logs / f"{name}-{rate:g}-{rep}"), **kw)
-                rows.append(one(name, cfg, rate, args.count, seed=7 + rep) | {"offered_rate": rate})
+                rows.append(one(name, cfg, rate, args.count, seed=7 + rep) | {"offered_rate": rate, "repeat": rep})
                 print(f"[bench] {rows[-1]}", flush=True)
     summary = []
     for rate in args.rates:
@@ -96,10 +96,11 @@ def main(argv: list[str]) -> int:
             dp["vs_tp2"] = {k: round(dp[k] / base[k], 3) for k in ("requests_per_s", "itl_p50_ms", "itl_p99_ms")
                             if base.get(k) and dp.get(k)}
     doc = {"model": args.model, "rates": args.rates, "count": args.count, "repeats": args.repeats,
-           "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-           "command": "python benchmarks/dp.py " + " ".join(argv), "wall_s": round(time.time() - t0),
-           "date": time.strftime("%Y-%m-%d"), "summary": summary, "rows": rows}
-    (args.out / "dp.json").write_text(json.dumps(doc, indent=1) + "\n")
+           "wall_s": round(time.time() - t0), "summary": summary, "rows": rows}
+    record.write(args.out / "dp.json", doc, indent=1, raw_repeats=results_doc.group_repeats(
+        rows, ("config", "offered_rate"), ("repeat", "requests_per_s", "itl_p50_ms", "itl_p99_ms", "ttft_p50_s")),
+        notes=["summary: per (config, offered rate) the median over repeats of each run's figures, errors summed; "
+               "rows: every run"])
     plot(doc, args.out / "dp.png")
     for s in summary:
         print(s)

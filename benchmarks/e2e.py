@@ -31,7 +31,6 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -42,6 +41,7 @@ from sglang_disagg.launch import Role, Stack
 from sglang_disagg.launch.commands import server_cores
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import results_doc  # noqa: E402
 from load_client import RequestClass, Result, run  # noqa: E402
 from stack_configs import launch_config  # noqa: E402
 
@@ -164,6 +164,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--quick", action="store_true", help=f"{', '.join(QUICK)}; 12 chats, 3 long prompts")
     ap.add_argument("--repeats", type=int, default=1, help="runs of each configuration, interleaved")
     args = ap.parse_args(argv)
+    record = results_doc.Run.begin(argv, __file__)
     configs = args.configs or (QUICK if args.quick else CONFIGS)
     if args.quick:
         args.chat_count, args.long_count = 12, 3
@@ -207,11 +208,13 @@ def main(argv: list[str]) -> int:
         tqdm.write(f"[e2e] {json.dumps(row)}")
         time.sleep(1)
     bar.close()
-    doc = {"model": args.model, "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-           "command": "python benchmarks/e2e.py " + " ".join(argv),
-           "workload": {"chat": vars(chat), "long": vars(long)}, "repeats": args.repeats,
+    doc = {"model": args.model, "workload": {"chat": vars(chat), "long": vars(long)}, "repeats": args.repeats,
            "summary": summarize(rows), "rows": rows}
-    (args.out / "e2e.json").write_text(json.dumps(doc, indent=2))
+    record.write(args.out / "e2e.json", doc, indent=2,
+                 raw_repeats=results_doc.group_repeats(rows, ("config",), ("repeat", *SUMMARIZED)),
+                 notes=["rows: one per run (its repeat); summary: per configuration the median of its runs, "
+                        "their range and the median's ratio to upstream PD's; percentiles are over the "
+                        "chats' tokens of one run", "the plot shows the first run of each configuration"])
     plot(doc, timelines, args.out / "e2e.png")
     print(f"[e2e] wrote {args.out / 'e2e.json'} and e2e.png")
     failed = {r["config"]: r["requests_failed"] for r in rows if r["requests_failed"]}

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
+import os
 import statistics
 import struct
 import sys
@@ -27,6 +27,9 @@ from pathlib import Path
 
 from sglang_disagg.backends import BackendConfig, create_backend, frames
 from sglang_disagg.messenger import wire
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import results_doc  # noqa: E402
 
 HEADER = struct.Struct("!IB")
 
@@ -38,17 +41,36 @@ def order_payload(tokens: int) -> bytes:
                                          dst_pages=tuple(range(5000, 5000 + pages)), start_page=0, last_token=7))
 
 
-def median_us(fn, repeats: int) -> float:
-    """Median wall time of `fn()`, microseconds."""
+# Every timing sample of a figure, microseconds, by figure name ("order-512-tokens/mac_us"):
+# the document keeps their deciles beside the medians (thousands of samples per figure).
+SAMPLES: dict[str, list[float]] = {}
+
+
+def _keep(name: str | None, times_ns: list[int], scale: float = 1e3) -> None:
+    if name:
+        SAMPLES[name] = [t / scale for t in times_ns]
+
+
+def deciles(values: list[float]) -> dict[str, float]:
+    """min, p10 ... p90, max of `values` (nearest rank), rounded to 0.001."""
+    v = sorted(values)
+    out = {"samples": len(v), "min": round(v[0], 3)}
+    out |= {f"p{q}": round(v[min(len(v) - 1, round(q / 100 * (len(v) - 1)))], 3) for q in range(10, 100, 10)}
+    return out | {"max": round(v[-1], 3)}
+
+
+def median_us(fn, repeats: int, name: str | None = None) -> float:
+    """Median wall time of `fn()`, microseconds (every sample kept under `name`)."""
     times = []
     for _ in range(repeats):
         t = time.perf_counter_ns()
         fn()
         times.append(time.perf_counter_ns() - t)
+    _keep(name, times)
     return statistics.median(times) / 1e3
 
 
-def mac_us(payload: bytes, repeats: int) -> float:
+def mac_us(payload: bytes, repeats: int, name: str | None = None) -> float:
     """Median seal + open of one frame carrying `payload`, microseconds."""
     d, a = (frames.FrameKeys.derive(b"k" * 32, b"d" * 32, b"a" * 32, dialed) for dialed in (True, False))
     header = HEADER.pack(len(payload), 2)
@@ -57,12 +79,12 @@ def mac_us(payload: bytes, repeats: int) -> float:
         tag = d.seal(header, payload)
         d.commit()
         a.open(header, payload, tag)
-    return median_us(one, repeats)
+    return median_us(one, repeats, name)
 
 
-def decode_us(payload: bytes, repeats: int) -> float:
+def decode_us(payload: bytes, repeats: int, name: str | None = None) -> float:
     """Median wire.decode of `payload`, microseconds: what the receiver already pays per order."""
-    return median_us(lambda: wire.decode(payload), repeats)
+    return median_us(lambda: wire.decode(payload), repeats, name)
 
 
 def trip_us(payloads: dict[str, bytes], repeats: int) -> dict[str, float]:
@@ -82,6 +104,7 @@ def trip_us(payloads: dict[str, bytes], repeats: int) -> dict[str, float]:
                 ba.send(payload)
                 a.recv(5.0)
                 times.append(time.perf_counter_ns() - t)
+            _keep(f"{name}/trip_us", times, 2e3)
             out[name] = statistics.median(times) / 2e3
         times = []
         for i in range(repeats):
@@ -91,6 +114,7 @@ def trip_us(payloads: dict[str, bytes], repeats: int) -> dict[str, float]:
             ab.notify(tag, 1)
             fut.wait(5.0)
             times.append(time.perf_counter_ns() - t)
+        _keep("notify/trip_us", times)
         out["notify"] = statistics.median(times) / 1e3
     finally:
         a.close()
@@ -118,30 +142,33 @@ def plot(doc: dict, path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--repeats", type=int, default=2000)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    record = results_doc.Run.begin(argv, __file__)
     payloads = {f"order-{n}-tokens": order_payload(n) for n in (512, 4096, 32768)}
     notify = json.dumps({"tag": 123456, "count": 2048}).encode()  # as Peer.notify encodes it
     trips = trip_us(payloads, max(50, args.repeats // 10))
     rows = {}
     for name, payload in payloads.items() | {"notify": notify}.items():
-        mac = mac_us(payload, args.repeats)
+        mac = mac_us(payload, args.repeats, f"{name}/mac_us")
         rows[name] = {"bytes": len(payload) + HEADER.size + frames.TAG_BYTES, "mac_us": round(mac, 3),
                       "trip_us": round(trips[name], 3), "mac_share_of_trip": round(mac / trips[name], 4)}
         if name != "notify":
-            dec = decode_us(payload, max(20, args.repeats // 10))
+            dec = decode_us(payload, max(20, args.repeats // 10), f"{name}/decode_us")
             rows[name] |= {"decode_us": round(dec, 3), "mac_over_decode": round(mac / dec, 4)}
-    doc = {"command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]), "machine": platform.processor()
-           or platform.machine(), "python": platform.python_version(), "frames": dict(sorted(rows.items()))}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "frame_auth.json").write_text(json.dumps(doc, indent=2) + "\n")
+    doc = {"python": record.machine.python, "frames": dict(sorted(rows.items())),
+           "deciles_us": {k: deciles(v) for k, v in sorted(SAMPLES.items())}}
+    record.write(args.out / "frame_auth.json", doc, indent=2, notes=[
+        "each figure is the median of its timing samples (--repeats per MAC figure; a tenth of that, at least "
+        "50 per trip and 20 per decode figure); deciles_us: every figure's sample distribution",
+        "trip_us: half a ping-pong between two shmem backends on loopback, MAC included; notify: one way"])
     plot(doc, args.out / "frame_auth.png")
     print(json.dumps(doc["frames"], indent=2))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

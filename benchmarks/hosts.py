@@ -31,9 +31,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -43,6 +41,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # the namespace harness lives beside the benchmarks, outside the installed package
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import results_doc  # noqa: E402
 from harness.hosts import netns, shaping  # noqa: E402
 from harness.hosts.deployment import Deployment, Layout  # noqa: E402
 from harness.hosts.tail import Geometry, Probe, goodput_mbit, transfer_ms  # noqa: E402
@@ -146,6 +145,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     ap.add_argument("--quick", action="store_true", help="100 Mbit/s only, 512/2048-token prompts, 1 repeat")
     args = ap.parse_args(argv)
+    record = results_doc.Run.begin(argv, __file__)
     if args.quick:
         args.rates, args.prompt_tokens, args.repeats = [100.0], [512, 2048], 1
     reason = netns.can_create()
@@ -176,10 +176,14 @@ def main(argv: list[str]) -> int:
             rows += run_config(name, net, args, geo, root, variants)
     doc = {"model": args.model, "repeats": args.repeats, "kv_bytes_per_token": geo.bytes_per_token,
            "layers": geo.layers, "target_slack_ms": TARGET_SLACK_MS, "link": link,
-           "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-           "command": "python benchmarks/hosts.py " + " ".join(argv), "wall_s": round(time.monotonic() - t0),
-           "rows": rows}
-    (args.out / "hosts.json").write_text(json.dumps(doc, indent=2))
+           "wall_s": round(time.monotonic() - t0), "rows": rows}
+    series = ("config", "rate_mbit", "prompt_tokens")
+    repeats = [{k: r[k] for k in series} | s for r in rows for s in r["samples"]]
+    record.write(args.out / "hosts.json", doc, indent=2,
+                 raw_repeats=results_doc.group_repeats(repeats, series, ("ttft_ms", "tail_ms", "forward_ms")),
+                 notes=["each row: the median over its repeats (its samples, one request each, every one its "
+                        "own prompt) at one link cap; the hosts are network namespaces sharing this "
+                        "machine's cores"])
     plot(doc, args.out / "hosts.png")
     print(f"[hosts] wrote {args.out / 'hosts.json'} and hosts.png in {doc['wall_s']} s")
     return 0

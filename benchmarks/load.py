@@ -30,7 +30,6 @@ import asyncio
 import dataclasses
 import http.client
 import os
-import platform
 import random
 import signal
 import sys
@@ -45,8 +44,9 @@ from sglang_disagg.launch.client import generate_ids
 from sglang_disagg.launch.preflight import PreflightError, check_ports_free
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from load_client import Result, stream_generate  # noqa: E402
+import results_doc  # noqa: E402
 from load_checks import settle, summarize, write_report  # noqa: E402
+from load_client import Result, stream_generate  # noqa: E402
 
 CHUNK = 128  # chunked-prefill size: long prompts span 3-7 chunks
 EXTRA_ARGS = ("--chunked-prefill-size", str(CHUNK), "--dtype", "float32")
@@ -193,12 +193,13 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--request-timeout-s", type=float, default=300.0, help="a request still open then is an error")
     ap.add_argument("--settle-s", type=float, default=60.0, help="how long pages/threads/fds may take to settle")
     args = ap.parse_args(argv)
+    # The machine's load average at the start is in the document: other work on the same cores.
+    record = results_doc.Run.begin(argv, __file__)
     # Killed (timeout, CI): unwind through the finally blocks that stop the servers.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     n = args.requests or (200 if args.quick else 1000)
     concurrency = args.concurrency or (16 if args.quick else 32)
     args.out.mkdir(parents=True, exist_ok=True)
-    load_at_start = [round(x, 2) for x in os.getloadavg()]
     logs = Path(tempfile.mkdtemp(prefix="bench-load-"))
     from tqdm import tqdm
 
@@ -238,15 +239,13 @@ def main(argv: list[str]) -> int:
                 stack.stop()
 
     doc, failures = summarize(jobs, results, wall, concurrency, reference, before, after)
-    doc.update({"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                            "load_average_at_start": load_at_start},  # other work on the same cores
-                "command": "python benchmarks/load.py " + " ".join(argv), "logs": str(logs),
+    doc.update({"logs": str(logs),
                 "config": {"stack": "--role all (messenger, shmem)", "model": args.model,
                            "max_total_tokens": args.max_total_tokens, "extra_args": list(EXTRA_ARGS), "seed": args.seed,
                            "abort_fraction": args.abort_fraction},
                 "messenger_counters": {k: {x: y for x, y in (v or {}).items() if x != "recent"}
                                        for k, v in messenger.items()}})
-    path = write_report(args.out, doc)
+    path = write_report(args.out, doc, record)
     say(f"[load] wrote {path}")
     for f in failures:
         print(f"[load] FAILED: {f}", file=sys.stderr)

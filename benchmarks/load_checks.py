@@ -3,11 +3,10 @@ of every process) and how it turns a run into load.json and its pass/fail checks
 
 from __future__ import annotations
 
-import json
 import os
 import time
 import urllib.request
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -182,7 +181,10 @@ def summarize(jobs, results, wall: float, concurrency: int, reference: dict[int,
     return doc, failures
 
 
-def write_report(out: Path, doc: dict) -> Path:
-    path = out / "load.json"
-    path.write_text(json.dumps(doc, indent=2, default=lambda o: asdict(o)))
-    return path
+def write_report(out: Path, doc: dict, record) -> Path:
+    """DIR/load.json through the results writer (`record`: the run's results_doc.Run); the
+    Idle snapshots in `doc` are written as their fields."""
+    return record.write(out / "load.json", doc, indent=2, notes=[
+        "one run, no repeats: latencies are percentiles over its requests; a check that failed is "
+        "in checks_failed (the run's exit status 1)",
+        "pages/threads/fds: idle values after the warm-up (before) and once settled after the load (after)"])

@@ -24,7 +24,6 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -33,6 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import results_doc  # noqa: E402
 from serving import lost  # noqa: E402
 from stack_configs import launch_config  # noqa: E402
 
@@ -106,11 +106,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--port", type=int, default=29500)
     args = ap.parse_args(argv)
+    record = results_doc.Run.begin(argv, __file__)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model_dir = resolve_model_path(MODEL)
     logs = Path(tempfile.mkdtemp(prefix="pareto-"))
-    started, results = time.time(), {}
+    started, results = record.started, {}
     tokens = max(args.concurrency) * (args.input_len + args.output_len) + 4096
     for text in args.configs:
         cfg = launch_config(text, MODEL, args.port, logs, max_total_tokens=tokens)
@@ -133,12 +134,13 @@ def main(argv: list[str]) -> int:
                 lv["vs_upstream_pd"] = {k: round(lv[k] / b[k], 3) for k in
                                         ("output_tok_s_per_core", "tok_s_per_user_median", "ttft_p50_ms")}
     doc = {"model": MODEL, "input_len": args.input_len, "output_len": args.output_len, "cores": CORES,
-           "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-           "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
-           "duration_s": round(time.time() - started),
+           "time": record.date, "duration_s": round(time.time() - started),
            "layout": "--role all --pin-cores (prefill + router on core 0, decode on core 1); colocated unpinned",
-           "command": "python benchmarks/pareto.py " + " ".join(argv), "results": results}
-    (out / "pareto.json").write_text(json.dumps(doc, indent=1))
+           "results": results}
+    record.write(out / "pareto.json", doc, indent=1, notes=[
+        "one bench_serving run per (configuration, concurrency), no repeats: its percentiles are over that "
+        "run's requests; tok_s_per_user_median: the median over its requests",
+        "the per-request bench_serving files (bench-*.jsonl) are deleted after the run"])
     for f in out.glob("bench-*.jsonl"):  # per-request details: large, the summary above is what is kept
         f.unlink()
     plot(doc, out / "pareto.png")

@@ -15,16 +15,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import results_doc  # noqa: E402
+
 CONFIGS = ("messenger:shmem", "messenger:shmem+no-stream")
 METRICS = ("input_throughput", "output_throughput", "median_ttft_ms", "median_itl_ms")
 
 
-def summarize(out: Path) -> dict:
+def summarize(out: Path, record: results_doc.Run) -> dict:
     runs = sorted(p for p in out.glob("run*") if (p / "serving.json").exists())
     rows: dict[str, dict[str, list[float]]] = {c: {m: [] for m in METRICS} for c in CONFIGS}
     for run in runs:
@@ -37,25 +41,30 @@ def summarize(out: Path) -> dict:
     medians = {c: {m: statistics.median(v) for m, v in ms.items()} for c, ms in rows.items()}
     stream, plain = (medians[c] for c in CONFIGS)
     summary = {"runs": len(runs), "per_run": rows, "median": medians,
-               "streaming_over_no_stream": {m: stream[m] / plain[m] for m in METRICS},
-               "command": f"python benchmarks/poller_cost.py --out {out} --runs {len(runs)}"}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+               "streaming_over_no_stream": {m: stream[m] / plain[m] for m in METRICS}}
+    record.write(out / "summary.json", summary, indent=2,
+                 raw_repeats=[{"config": c, "run": [p.name for p in runs], **ms} for c, ms in rows.items()],
+                 notes=["median: per configuration the median over runs of bench_serving's figures; "
+                        "per_run and raw_repeats: each run's (the same values)",
+                        "each runN/serving.json records the command and machine of its own run; with "
+                        "--summarize this document's are those of the summarizing command"])
     return summary
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--summarize", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    record = results_doc.Run.begin(argv, __file__)
     if not args.summarize:
         for i in range(1, args.runs + 1):
             subprocess.run([sys.executable, str(Path(__file__).parent / "serving.py"), "--out",
                             str(args.out / f"run{i}"), "--model", "tiny-llama", "--configs", *CONFIGS], check=True)
-    print(json.dumps(summarize(args.out)["streaming_over_no_stream"], indent=2))
+    print(json.dumps(summarize(args.out, record)["streaming_over_no_stream"], indent=2))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,7 @@ from sglang_disagg.launch import Stack
 from sglang_disagg.models import resolve_model_path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import results_doc  # noqa: E402
 from stack_configs import launch_config  # noqa: E402
 
 METRICS = ["output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms",
@@ -69,6 +69,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--port", type=int, default=32100)
     ap.add_argument("--quick", action="store_true", help="16 prompts at concurrency 4")
     args = ap.parse_args(argv)
+    record = results_doc.Run.begin(argv, __file__)
     if args.quick:
         args.num_prompts, args.max_concurrency = 16, 4
     out = Path(args.out)
@@ -97,9 +98,10 @@ def main(argv: list[str]) -> int:
                 r[f"{k}_vs_colocated"] = r[k] / base[k] if base[k] else None
     doc = {"model": args.model, "num_prompts": args.num_prompts, "input_len": args.input_len,
            "output_len": args.output_len, "range_ratio": args.range_ratio, "max_concurrency": args.max_concurrency,
-           "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-           "command": "python benchmarks/serving.py " + " ".join(argv), "results": rows}
-    (out / "serving.json").write_text(json.dumps(doc, indent=2))
+           "results": rows}
+    record.write(out / "serving.json", doc, indent=2, notes=[
+        "one bench_serving run per configuration, no repeats: medians and p99 are over that run's requests; "
+        "its full output is DIR/bench_serving-CONFIG.jsonl", "*_vs_colocated: ratio to the colocated row of this run"])
     plot(doc, out / "serving.png")
     print(f"[bench] wrote {out / 'serving.json'} and serving.png")
     return 0

@@ -18,9 +18,7 @@ and DIR/single_request.png.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -33,6 +31,7 @@ from sglang_disagg.messenger.planner import KVGeometry, Layout, ShardPlan, pages
 from sglang_disagg.models import BUILTIN_MODELS
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import results_doc  # noqa: E402
 from stack_configs import launch_config  # noqa: E402
 
 DEFAULT_CONFIGS = ["colocated", "messenger:shmem", "messenger:libfabric:tcp", "messenger:nixl",
@@ -57,7 +56,8 @@ def prompt_of(n: int, variant: int) -> list[int]:
     return [1] + [8 + ((i + 7919 * variant) * 37) % 4000 for i in range(n - 1)]
 
 
-def measure(stack: Stack, n: int, output_tokens: int, repeats: int) -> dict:
+def measure(stack: Stack, n: int, output_tokens: int, repeats: int) -> tuple[dict, dict]:
+    """The row (medians over the repeats) and each repeat's raw values."""
     url = stack.url
     generate_ids(url, prompt_of(n, 0), 2)  # warm the path (first request compiles/allocates)
     before = settled_stats(stack)
@@ -77,7 +77,9 @@ def measure(stack: Stack, n: int, output_tokens: int, repeats: int) -> dict:
     if after.get("requests_carried") is not None:
         carried = after["requests_carried"] - before.get("requests_carried", 0)
         row["writes_per_request"] = (after["writes_received"] - before.get("writes_received", 0)) / max(carried, 1)
-    return row
+    raw = {"ttft_ms": [1000 * x for x in ttft], "e2e_ms": [1000 * x for x in e2e],
+           "tokens_per_s": [output_tokens / x for x in e2e]}
+    return row, raw
 
 
 def upstream_writes(model: str, prompt_tokens: int, prefill_tp: int = 1, decode_tp: int = 1) -> int:
@@ -90,21 +92,23 @@ def upstream_writes(model: str, prompt_tokens: int, prefill_tp: int = 1, decode_
     return ShardPlan.build(g, prefill_tp, decode_tp).total_writes(prompt_tokens)
 
 
-def run_config(name: str, args, logs: Path) -> dict:
+def run_config(name: str, args, logs: Path) -> tuple[dict, list[dict]]:
     cfg = launch_config(name, args.model, args.port, logs)
     stack = Stack.for_config(cfg)
     print(f"[bench] starting {name} ...", flush=True)
     stack.start()
     try:
-        rows = {n: measure(stack, n, args.output_tokens, args.repeats) for n in args.prompt_tokens}
+        measured = {n: measure(stack, n, args.output_tokens, args.repeats) for n in args.prompt_tokens}
     finally:
         stack.stop()
     print(f"[bench] {name}: started in {stack.startup_s:.1f}s; " + "; ".join(
         f"{n} tok: TTFT {r['ttft_ms']:.0f} ms, {r['tokens_per_s']:.1f} tok/s"
         + (f", {r['writes_per_request']:.0f} writes" if "writes_per_request" in r else "")
-        for n, r in rows.items()), flush=True)
+        for n, (r, _) in measured.items()), flush=True)
+    rows = {n: row for n, (row, _) in measured.items()}
+    raw = [{"config": name, "prompt_tokens": n, **values} for n, (_, values) in measured.items()]
     return {"name": name, "startup_s": stack.startup_s, "transfer": cfg.describe_transfer(),
-            "by_prompt_tokens": rows}
+            "by_prompt_tokens": rows}, raw
 
 
 def main(argv: list[str]) -> int:
@@ -118,13 +122,15 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--port", type=int, default=32000)
     ap.add_argument("--quick", action="store_true", help="2 repeats, 32/512-token prompts, fewer configs")
     args = ap.parse_args(argv)
+    record = results_doc.Run.begin(argv, __file__)
     if args.quick:
         args.repeats, args.prompt_tokens = 2, [32, 512]
         args.configs = ["colocated", "messenger:shmem", "upstream:mooncake"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     logs = Path(tempfile.mkdtemp(prefix="bench-single-"))
-    results = [run_config(c, args, logs) for c in args.configs]
+    measured = [run_config(c, args, logs) for c in args.configs]
+    results = [result for result, _ in measured]
     base = next((r for r in results if r["name"] == "colocated"), None)
     for r in results:
         for n, row in r["by_prompt_tokens"].items():
@@ -136,10 +142,12 @@ def main(argv: list[str]) -> int:
                 row["upstream_scheme_writes"] = upstream_writes(args.model, n)
                 row["upstream_scheme_writes_tp2_to_tp1"] = upstream_writes(args.model, n, 2, 1)
                 row["messenger_writes_tp2_to_tp1"] = _messenger_writes(args.model, n, 2, 1)
-    doc = {"model": args.model, "output_tokens": args.output_tokens, "repeats": args.repeats,
-           "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-           "command": "python benchmarks/single_request.py " + " ".join(argv), "results": results}
-    (out / "single_request.json").write_text(json.dumps(doc, indent=2))
+    doc = {"model": args.model, "output_tokens": args.output_tokens, "repeats": args.repeats, "results": results}
+    record.write(out / "single_request.json", doc, indent=2, raw_repeats=[r for _, raw in measured for r in raw],
+                 notes=["ttft_ms, e2e_ms, tokens_per_s: medians over the repeats (raw_repeats: each repeat's, "
+                        "every request its own prompt); ttft_min_ms: the fastest repeat",
+                        "writes_per_request: the decoder's counters over the measured requests; upstream_scheme_*: "
+                        "computed with the planner, not measured"])
     plot(doc, out / "single_request.png")
     print(f"[bench] wrote {out / 'single_request.json'} and single_request.png")
     return 0

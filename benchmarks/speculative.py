@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -38,6 +37,7 @@ from sglang_disagg.launch.client import greedy
 from sglang_disagg.models import get_spec
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import results_doc  # noqa: E402
 from single_request import prompt_of  # noqa: E402
 from sse import data_of  # noqa: E402
 
@@ -123,18 +123,19 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--algorithm", choices=sorted(DRAFTS), default="STANDALONE")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--output-tokens", type=int, default=64)
     ap.add_argument("--port", type=int, default=34000)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    record = results_doc.Run.begin(argv, __file__)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     prompts = [prompt_of(n, v) for v, n in enumerate([24, 60, 130, 250, 24, 60, 130, 250][:args.prompts], 1)]
-    t0 = time.time()
+    t0 = record.started
     samples = {}
     with tempfile.TemporaryDirectory(prefix="spec-bench-") as tmp:
         for k, name in enumerate(configs(args.algorithm)):
@@ -159,10 +160,14 @@ def main() -> int:
     result = {"model": target, "draft": draft, "algorithm": args.algorithm,
               "speculation": list(configs(args.algorithm)["colocated_spec"][1]),
               "prompt_tokens": [len(p) for p in prompts], "output_tokens": args.output_tokens,
-              "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-              "command": f"python benchmarks/speculative.py --out {args.out} --algorithm {args.algorithm}", "wall_s": round(time.time() - t0),
-              "rows": rows}
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
+              "wall_s": round(time.time() - t0), "rows": rows}
+    per_request = [{"config": r["config"], **x} for r in rows for x in r["samples"]]
+    record.write(out / f"{stem}.json", result, indent=1,
+                 raw_repeats=results_doc.group_repeats(per_request, ("config",),
+                                                       ("ttft_ms", "decode_tok_s", "accept_length")),
+                 notes=["one request per prompt, sequential (one user), each prompt new to every server: "
+                        "decode_tok_s and ttft_ms are medians over the prompts, accept_length their mean; "
+                        "raw_repeats (and each row's samples): every request's, in prompt order"])
     plot(rows, out / f"{stem}.png", f"{target} + {draft or 'its NEXTN layer'} ({args.algorithm}, 1 step, top-k 1), CPU")
     for r in rows:
         acc = f"{r['accept_length']:.3f}" if r["accept_length"] else "-"
@@ -172,4 +177,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -25,6 +24,7 @@ from pathlib import Path
 from sglang_disagg.launch import Stack
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import results_doc  # noqa: E402
 from stack_configs import launch_config  # noqa: E402
 
 # +spawn: the same stacks with SGLang's own start method, for how much the launcher's fork saves.
@@ -48,6 +48,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--port", type=int, default=32400)
     args = ap.parse_args(argv)
+    record = results_doc.Run.begin(argv, __file__)
     if "colocated" not in args.configs:
         raise SystemExit("--configs needs colocated: the ratios are against it")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -65,9 +66,12 @@ def main(argv: list[str]) -> int:
         med = statistics.median(r["startup_s"] for r in rs)
         rows.append({"config": name, "startup_s_median": round(med, 2), "ratio_to_colocated": round(med / base, 2),
                      "startup_s": [r["startup_s"] for r in rs], "phases_s": [r["phases_s"] for r in rs]})
-    doc = {"model": args.model, "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-           "command": "python benchmarks/startup.py " + " ".join(argv), "rows": rows}
-    (args.out / "startup.json").write_text(json.dumps(doc, indent=2))
+    doc = {"model": args.model, "rows": rows}
+    record.write(args.out / "startup.json", doc, indent=2,
+                 raw_repeats=[{"config": name, "startup_s": [r["startup_s"] for r in rs],
+                               "phases_s": [r["phases_s"] for r in rs]} for name, rs in runs.items()],
+                 notes=["configurations alternate within each repeat; startup_s_median: the median over repeats, "
+                        "ratio_to_colocated: that median over colocated's"])
     for r in rows:
         print(f"[startup] {r['config']}: median {r['startup_s_median']} s ({r['ratio_to_colocated']}x colocated)")
     return 0

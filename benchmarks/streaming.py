@@ -31,7 +31,6 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import re
 import statistics
 import sys
@@ -45,6 +44,7 @@ from sglang_disagg.launch.client import generate_ids
 from sglang_disagg.launch.commands import server_cores
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import results_doc  # noqa: E402
 from single_request import prompt_of  # noqa: E402
 
 
@@ -84,7 +84,8 @@ def _upstream_transfer_ms(stack: Stack) -> tuple[float, float]:
     return values["sum"], values["count"]
 
 
-def measure(name: str, stack: Stack, n: int, repeats: int) -> dict:
+def measure(name: str, stack: Stack, n: int, repeats: int) -> tuple[dict, dict]:
+    """The row (medians over the repeats) and each repeat's raw values."""
     generate_ids(stack.url, prompt_of(n, 0), 1)  # warm-up
     ttft, tail, layer = [], [], []
     for k in range(repeats):
@@ -109,7 +110,8 @@ def measure(name: str, stack: Stack, n: int, repeats: int) -> dict:
         row["tail_ms"] = statistics.median(tail)
     if layer:
         row["one_layer_ms"] = statistics.median(layer)
-    return row
+    # A repeat without a tail (upstream's histogram did not move) has none: the lists may be shorter.
+    return row, {"config": name, "prompt_tokens": n, "ttft_ms": ttft, "tail_ms": tail, "one_layer_ms": layer}
 
 
 def chat_bytes(cfg: LaunchConfig, page_bytes_per_write: int) -> list[int]:
@@ -148,19 +150,22 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--port", type=int, default=32200)
     ap.add_argument("--quick", action="store_true", help="tiny-llama, 512/2048-token prompts, 2 repeats")
     args = ap.parse_args(argv)
+    record = results_doc.Run.begin(argv, __file__)
     if args.quick:
         args.model, args.prompt_tokens, args.repeats = "tiny-llama", [512, 2048], 2
     args.out.mkdir(parents=True, exist_ok=True)
     logs = Path(tempfile.mkdtemp(prefix="bench-streaming-"))
     configs = _configs(args.model, args.port, logs)
-    rows = []
+    rows, raw = [], []
     for name, cfg in configs.items():
         stack = Stack.for_config(cfg)
         print(f"[bench] starting {name} ...", flush=True)
         stack.start()
         try:
             for n in args.prompt_tokens:
-                rows.append(measure(name, stack, n, args.repeats))
+                row, values = measure(name, stack, n, args.repeats)
+                rows.append(row)
+                raw.append(values)
                 print(f"[bench] {name} {n} tokens: {rows[-1]}", flush=True)
         finally:
             stack.stop()
@@ -182,11 +187,12 @@ def main(argv: list[str]) -> int:
              "without_reuse": chat_bytes(dataclasses.replace(streaming, reuse_prefix=False,
                                                              log_dir=str(logs / "chat-noreuse")), write_bytes)}
     print(f"[bench] chat bytes per turn: {turns}", flush=True)
-    doc = {"model": args.model, "repeats": args.repeats, "machine": {"cpus": os.cpu_count(),
-                                                                      "platform": platform.platform()},
-           "command": "python benchmarks/streaming.py " + " ".join(argv), "rows": rows,
-           "chat_bytes_per_turn": turns}
-    (args.out / "streaming.json").write_text(json.dumps(doc, indent=2))
+    doc = {"model": args.model, "repeats": args.repeats, "rows": rows, "chat_bytes_per_turn": turns}
+    record.write(args.out / "streaming.json", doc, indent=2, raw_repeats=raw, notes=[
+        "rows: medians over the repeats, each repeat its own prompt; raw_repeats: each repeat's values, "
+        "the colocated baselines' too (their medians are the rows' colocated_*_ttft_ms)",
+        "upstream tail_ms: SGLang's kv_transfer_latency_ms (ends before the decoder builds its batch: it "
+        "understates upstream's tail); a repeat whose histogram did not move has no tail value"])
     plot(doc, args.out / "streaming.png")
     print(f"[bench] wrote {args.out / 'streaming.json'} and streaming.png")
     return 0

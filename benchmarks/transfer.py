@@ -16,16 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import results_doc  # noqa: E402
 from transfer_limits import (memcpy_gbps, memcpy_pages_gbps, process_vm_writev_gbps,  # noqa: E402
                              tcp_loopback_gbps)
 from transfer_workloads import region_bytes, workloads  # noqa: E402
@@ -147,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--request-mib", type=int, help="bytes per request of the page-* workloads (MiB)")
     ap.add_argument("--limits-mib", type=int, help="bytes moved by the memcpy / TCP limit probes (MiB)")
     args = ap.parse_args(argv)
+    record = results_doc.Run.begin(argv, __file__)
     args.budget = args.budget or (0.3 if args.quick else 2.0)
     wls = workloads(args.quick, args.request_mib)
     if args.workloads:
@@ -164,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         ok, why = available(b)
         (usable.append((b, p)) if ok else skipped.setdefault(b, why))
     args.out.mkdir(parents=True, exist_ok=True)
-    result = {"host": platform.node(), "cpus": os.cpu_count(), "quick": args.quick,
-              "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "skipped": skipped}
+    result = {"host": record.machine.host, "cpus": record.machine.cores, "quick": args.quick,
+              "time": record.date, "skipped": skipped}
     with tqdm(total=len(usable) * len(wls) + 4, desc="transfer bench", unit="cell") as bar:
         size = (args.limits_mib or (64 if args.quick else 256)) << 20
         result["memcpy_gbps"] = memcpy_gbps(size)
@@ -181,7 +181,11 @@ def main(argv: list[str] | None = None) -> int:
             bar.set_postfix_str(f"{b}{':' + p if p else ''}")
             rows += run_target(b, p, wls, args, bar)
     result["rows"] = rows
-    (args.out / "transfer.json").write_text(json.dumps(result, indent=1))
+    # One run, no repeats: each row's p50/p99 are over its requests (the "requests" field), one cell each.
+    record.write(args.out / "transfer.json", result, indent=1, notes=[
+        f"budget {args.budget} s per (backend, workload) cell, 3 to 200 requests each; p50/p99 over a cell's requests",
+        "memcpy_gbps, memcpy_256k_pages_gbps, tcp_loopback_gbps, process_vm_writev_gbps: the limits, "
+        "measured in this run before the backends"])
     plot(result, args.out / "transfer.png")
     for r in rows:
         tqdm.write(f"{r['backend']:>16} {r['provider']:>5} {r['workload']:>20}  {r['gbps']:6.2f} GB/s  "
@@ -193,4 +197,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(sys.argv[1:]))

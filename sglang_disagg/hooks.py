@@ -2,8 +2,8 @@
 
 Each patch is a few lines that say *where* we hook in; *what* happens is ordinary, tested
 Python elsewhere in this package, which these functions only reach: the messenger
-(through the Protocol of messenger/contract.py), the CPU ops (cpu_ops, spec_ops), CPU
-speculation (spec_cpu), torch_native's attention (attention_native), the KV allocation
+(through the Protocol of messenger/contract.py), the CPU ops (cpu/ops, cpu/spec_ops), CPU
+speculation (cpu/speculative), torch_native's attention (cpu/attention), the KV allocation
 policy (kvalloc), SGLang's NIXL connector on CPU (backends/nixl_connector) and the test
 faults and dumps (testsupport). Nothing those import comes back here: the messenger is
 given what it needs at construction. Every function is safe to call on GPU builds too (it
@@ -57,52 +57,52 @@ def subprocess_start_method(device: str) -> str:
 
 def cpu_op(name: str) -> Any:
     """sgl_kernel's CPU op `name` where sgl_kernel cannot provide it (the PyPI wheel is a
-    CUDA build): a native torch version (cpu_ops.py, spec_ops.py), or one that raises
+    CUDA build): a native torch version (cpu/ops.py, cpu/spec_ops.py), or one that raises
     NotImplementedError naming the op when called."""
-    from sglang_disagg import cpu_ops
+    from sglang_disagg.cpu import ops
 
-    return getattr(cpu_ops, name)
+    return getattr(ops, name)
 
 
 def draft_extend_backend(draft_model_runner: Any) -> Any:
-    """torch_native's entry in SGLang's draft-extend backend map (spec_cpu.py)."""
-    from sglang_disagg import spec_cpu
+    """torch_native's entry in SGLang's draft-extend backend map (cpu/speculative.py)."""
+    from sglang_disagg.cpu import speculative
 
-    return spec_cpu.draft_extend_backend(draft_model_runner)
+    return speculative.draft_extend_backend(draft_model_runner)
 
 
 def extend_view(forward_batch: Any) -> Any:
-    """The batch torch_native's extend reads: a verify forward with its lengths (spec_cpu.py)."""
-    from sglang_disagg import spec_cpu
+    """The batch torch_native's extend reads: a verify forward with its lengths (cpu/speculative.py)."""
+    from sglang_disagg.cpu import speculative
 
-    return spec_cpu.extend_view(forward_batch)
+    return speculative.extend_view(forward_batch)
 
 
 def attention_page_tables(pool: Any, req_to_token: Any, forward_batch: Any) -> Any:
     """torch_native, once per forward: each request's pages when the pool is HND, else None
-    (attention_native.py)."""
-    from sglang_disagg import attention_native
+    (cpu/attention.py)."""
+    from sglang_disagg.cpu import attention
 
-    return attention_native.page_tables(pool, req_to_token, forward_batch)
+    return attention.page_tables(pool, req_to_token, forward_batch)
 
 
 def attention_gather(cache: Any, slots: Any, page_tables: Any, seq_idx: int) -> Any:
     """torch_native: K or V of request `seq_idx`'s `slots` as [heads, tokens, dim], from an
-    NHD or HND pool (attention_native.py)."""
-    from sglang_disagg import attention_native
+    NHD or HND pool (cpu/attention.py)."""
+    from sglang_disagg.cpu import attention
 
     pages = page_tables[seq_idx] if page_tables is not None else None
-    return attention_native.gather_heads_first(cache, slots, pages)
+    return attention.gather_heads_first(cache, slots, pages)
 
 
 def attention_new_rows(out: Any, query: Any, key: Any, value: Any, prefix_len: Any, *, causal: bool,
                        enable_gqa: bool, scale: Any) -> bool:
     """torch_native's extend of one request after a cached prefix: attend with the new rows
-    only, into `out`; False when the original path must run (attention_native.py)."""
-    from sglang_disagg import attention_native
+    only, into `out`; False when the original path must run (cpu/attention.py)."""
+    from sglang_disagg.cpu import attention
 
-    return attention_native.attend_new_rows(out, query, key, value, prefix_len, causal=causal,
-                                            enable_gqa=enable_gqa, scale=scale)
+    return attention.attend_new_rows(out, query, key, value, prefix_len, causal=causal,
+                                     enable_gqa=enable_gqa, scale=scale)
 
 
 def after_kv_received(scheduler: Any, req: Any) -> None:
@@ -140,7 +140,8 @@ def model_loaded(model_runner: Any) -> None:
     cfg = MessengerConfig.from_env()
     if cfg is None:
         return
-    from sglang_disagg.messenger import dataparallel, speculative
+    from sglang_disagg.messenger import speculative
+    from sglang_disagg.messenger.dp import support as dataparallel
 
     speculative.check_server_args(model_runner.server_args)  # before a draft is loaded, not after
     dataparallel.check_server_args(model_runner.server_args)
@@ -202,7 +203,7 @@ def scheduler_ready(scheduler: Any) -> None:
             if sock is not None:
                 _waiter.register(sock, zmq.POLLIN)
         _waiter.register(fd, zmq.POLLIN)
-        from sglang_disagg.messenger.dataparallel import resolved
+        from sglang_disagg.messenger.dp.support import resolved
 
         if int(getattr(resolved(scheduler.server_args), "attn_dp_size", 1) or 1) > 1:
             _wait_ms = _DP_IDLE_WAIT_MS
@@ -316,24 +317,24 @@ def hold_release(req: Any, checkpoint: bool) -> bool:
     return _messenger.hold_release(req, checkpoint)
 
 
-# --- DeepSeek on CPU (deepseek_cpu) ----------------------------------------------------------
+# --- DeepSeek on CPU (cpu/deepseek) ----------------------------------------------------------
 
 
 def mla_forward_method(attn: Any, forward_batch: Any) -> Any:
     """torch_native's handler in SGLang's AttentionBackendRegistry: how a DeepSeek attention
     layer computes this forward; always the absorbed MLA path."""
-    from sglang_disagg import deepseek_cpu
+    from sglang_disagg.cpu import deepseek
 
-    return deepseek_cpu.forward_method(attn, forward_batch)
+    return deepseek.forward_method(attn, forward_batch)
 
 
 def eager_on_cpu(fn: Any, is_cpu: bool) -> Any:
     """A torch.compile'd MoE routing function of SGLang (at import): the function itself on
     CPU, where compiling it made a fresh machine's first request take 24 s; unchanged
     elsewhere."""
-    from sglang_disagg import deepseek_cpu
+    from sglang_disagg.cpu import deepseek
 
-    return deepseek_cpu.eager_on_cpu(fn, is_cpu)
+    return deepseek.eager_on_cpu(fn, is_cpu)
 
 
 def synchronize(device: Any) -> None:

@@ -21,11 +21,11 @@ def kv_zeros(shape: Any, dtype: Any, device: Any) -> Any:
 
     messenger = bool(os.environ.get(ENV))
     if messenger and str(device) == "cpu":
-        from sglang_disagg.shm import shared_zeros
+        from sglang_disagg.ipc.shm import shared_zeros
 
         return shared_zeros(tuple(shape), dtype)
     if messenger and str(device).startswith("cuda"):
-        from sglang_disagg.cumem import exportable_zeros
+        from sglang_disagg.ipc.cumem import exportable_zeros
 
         return exportable_zeros(tuple(shape), dtype, device)
     return torch.zeros(shape, dtype=dtype, device=device)

@@ -3,7 +3,7 @@
 Python's `json` recurses once per level of nesting: about 1,000 nested ``[`` raise
 RecursionError (a deeper input can exhaust the C stack on some builds), which is no
 ValueError, so a reader that catches only the parser's errors dies on it. Every message our
-peers send (wire.py, groupwire.py, region descriptors) nests a few levels; `loads` refuses
+peers send (wire.py, dp/wire.py, region descriptors) nests a few levels; `loads` refuses
 more than MAX_DEPTH levels, or more bytes than the caller allows, before parsing, and raises
 MalformedJSON for every way the input can be bad, so its callers turn one error type into
 their own.

@@ -29,7 +29,8 @@ Guarantees:
 
 A backend implements the `_native_*` hooks; the shared code here owns validation, batch
 bookkeeping and deadlines and the expected-count tracker; peers.py owns the control
-channel and the peers (through the callbacks given to its PeerTable).
+channel and the peers (through the callbacks given to its PeerTable), native_share.py which
+connections share a peer instance's native state, notifications.py which notifications count.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ from .config import BackendConfig
 from .errors import DeadlineExceeded, DescriptorError, PeerLostError, TransferError, UnsupportedMemory
 from .expect import ExpectTracker
 from .future import TransferFuture
-from .notifications import ForgedNotification, NotifDrops, RejectedNotification, UnboundNotification, parse_notif
+from .native_share import NativeShares
+from .notifications import NotifDrops, accept_notification
 from .peers import Peer, PeerTable
 from .regions import (DESCRIPTOR_VERSION, HOST, Memory, MemoryKind, MemoryRegion, NativeRegistration, PageWrite, PeerState,
                       RegionDescriptor, RemoteRegion)
@@ -57,19 +59,15 @@ from .validate import check_uniform, check_write
 
 log = logging.getLogger("sglang_disagg.backends")
 
-# How recently (in heartbeats: peer_timeout_s / 9 each) another connection to an instance must
-# have heard from it for a lost connection to leave the instance's native state in place.
-_FRESH_BEATS = 3
-
 __all__ = ["BackendConfig", "MemoryRegion", "PageWrite", "Peer", "PeerState", "RegionDescriptor",
            "RemoteRegion", "TransferBackend", "TransferFuture"]
-
 
 
 def host_only(backend: Any, memory: Memory) -> None:
     """For a backend (or a build of its library) that registers host memory only."""
     if memory.kind is not MemoryKind.HOST:
         raise UnsupportedMemory(f"{backend.name}: cannot register {memory}: this backend registers host memory only")
+
 
 class TransferBackend(ABC):
     name: ClassVar[str] = "abstract"
@@ -91,14 +89,13 @@ class TransferBackend(ABC):
         self._batches: dict[int, tuple[Peer, TransferFuture]] = {}
         self._batch_ids = itertools.count(1)
         self._tracker = ExpectTracker(f"{self.name}-expect")
-        # The connections sharing each peer instance's native state (an address-vector entry, a
-        # NIXL remote agent, a Mooncake session: one per instance, whichever connection made
-        # it; each side dials the other, control one way and data the other). See _detach_peer.
-        self._native_lock = threading.Lock()
-        self._native_users: dict[str, set[Peer]] = {}
+        # Lambdas, not bound methods: the hooks are looked up when they run, as a method would.
+        self._shares = NativeShares(self.config, connect=lambda peer: self._native_connect(peer),
+                                    disconnect=lambda peer: self._native_disconnect(peer),
+                                    expire=lambda bid: self._native_expire(bid))
         self._table = PeerTable(self.config, self._lock, self.instance, hello=self._hello, check=self._check_hello,
                                 add_remote=self.add_remote_region,
-                                attach=self._attach_peer, detach=self._detach_peer, credit=self._tracker.add)
+                                attach=self._shares.attach, detach=self._detach_peer, credit=self._tracker.add)
         self._closed = False
         try:
             # threads the library starts now (UCX's, Mooncake's, a provider's) are ours
@@ -174,24 +171,10 @@ class TransferBackend(ABC):
             raise TransferError(f"peer runs {hello['backend']}/{hello['provider']} v{hello['v']}, "
                                 f"we run {self.name}/{self.provider} v{DESCRIPTOR_VERSION}")
 
-    def _attach_peer(self, peer: Peer) -> None:
-        with self._native_lock:
-            self._native_connect(peer)
-            self._native_users.setdefault(peer.id, set()).add(peer)
-
     def _detach_peer(self, peer: Peer, state: PeerState, reason: str) -> None:
         """The peer is gone (its state already says so): fail its batches and expectations.
-
-        The instance's native state goes with this connection unless another connection to
-        the same instance proves the path alive: it heard from the peer within
-        `_FRESH_BEATS` heartbeats. Tearing it down under a healthy connection strands that
-        connection's writes (seen: a decoder's control connection reset by `ss -K` left the
-        prefill's writes on its data connection uncompleted until their deadline, and the
-        decoder quarantined the pages). Keeping it when the other connection is merely not
-        yet found silent keeps a provider connection that a partition left stale (seen:
-        after a cable cut, a re-linked prefill's writes went into it and never arrived), so
-        a connection that is quiet too shares the loss: the state is torn down and the
-        other connections lose their claim on it."""
+        The instance's native state goes with this connection unless a fresh connection to
+        the same instance still uses it (native_share.py)."""
         with self._lock:
             # By connection, not instance id: two connections to one peer instance (each
             # side dialed the other) fail independently.
@@ -199,18 +182,7 @@ class TransferBackend(ABC):
             for bid, _ in failed:
                 del self._batches[bid]
         try:
-            with self._native_lock:
-                users = self._native_users.get(peer.id, set())
-                if peer in users:
-                    users.discard(peer)
-                    fresh = time.monotonic() - _FRESH_BEATS * self.config.peer_timeout_s / 9
-                    if any(p.state is PeerState.CONNECTED and p.last_heard() > fresh for p in users):
-                        for bid, _ in failed:  # only this connection's batches go
-                            self._native_expire(bid)
-                    else:
-                        self._native_users.pop(peer.id, None)
-                        self._native_disconnect(peer)
-                # else: an earlier loss tore the state down under this connection already
+            self._shares.detach(peer, [bid for bid, _ in failed])
         finally:
             err = PeerLostError(f"peer {peer.address} ({peer.id[:8]}) {state.value}: {reason}")
             for _, fut in failed:
@@ -378,27 +350,10 @@ class TransferBackend(ABC):
 
     def _on_notification(self, msg: object) -> bool:
         """One batch notification as NIXL or Mooncake delivered it (their stand-in for immediate
-        data): credited if it is one of ours, sealed by the live control connection of the peer
-        it names and never seen before (notifications.py), else dropped and counted. Whatever it
-        says, no peer is failed or blamed: anyone who reaches the data plane can send one under
-        any name. True when something was credited."""
-        try:
-            got = parse_notif(msg)
-            if got is None:
-                self._notif_drops.drop("foreign", "not one of ours")
-                return False
-            senders = self._table.live(got.sender)
-            if not senders:
-                raise UnboundNotification(f"notification for tag {got.tag} from {got.sender[:8]}, "
-                                          "which has no live connection here")
-            # Several only while a re-link overlaps the old link: the one whose key seals it decides.
-            sealer = next((p for p in senders if p.sealed(got)), None)
-            if sealer is None:
-                raise ForgedNotification(f"notification for tag {got.tag} not sealed by a live connection of "
-                                         f"{got.sender[:8]}")
-            sealer.take_notification(got)
-        except RejectedNotification as e:
-            self._notif_drops.drop(e.reason, e)
+        data): credited if notifications.accept_notification takes it, else dropped and counted,
+        no peer failed or blamed (anyone can send one). True when something was credited."""
+        got = accept_notification(msg, self._table.live, self._notif_drops)
+        if got is None:
             return False
         self._tracker.add(got.tag, got.count)
         return True
@@ -407,7 +362,7 @@ class TransferBackend(ABC):
         peers = len(self._table.all())
         with self._lock:
             base = {"peers": peers, "batches": len(self._batches), "regions": len(self._regions),
-                    # what a connection flood cost the control port (control.ControlServer)
+                    # what a connection flood cost the control port (control_server.ControlServer)
                     "connections_evicted": self._server.evicted, "connections_refused": self._server.refused}
         return (base | {"expectations": self._tracker.pending(), "late_writes_dropped": self._tracker.late_writes_dropped}
                 | self._notif_drops.stats() | self._native_stats())

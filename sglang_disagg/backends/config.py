@@ -20,7 +20,7 @@ class BackendConfig:
     None: both ends run without one). `handshake_timeout_s`: how long a new connection may
     take to authenticate and say HELLO (a deadline from its accept, not a timeout per read).
     `max_connections`: control connections alive at once (when all are taken, a newcomer
-    evicts the oldest one not yet admitted; see control.ControlServer).
+    evicts the oldest one not yet admitted; see control_server.ControlServer).
     `batch_timeout_s`: a batch of writes not complete this long after posting fails with
     DeadlineExceeded (a write whose completion never comes must not hold its future forever).
     `peer_timeout_s`: a peer that sent nothing at all (not even its heartbeat) for this long is

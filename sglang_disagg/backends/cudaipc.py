@@ -1,7 +1,7 @@
 """Same-host GPU backend: the writer copies into its own mapping of the peer's cuMem memory.
 
 The CUDA twin of ``shmem``. Between two processes of one host, a receiver's KV pool (cuMem
-memory, sglang_disagg.cumem) is imported into the writer, which copies into it with the
+memory, sglang_disagg.ipc.cumem) is imported into the writer, which copies into it with the
 GPU's copy engines. Same contract as every backend:
 
 - regions: ``register`` takes CUDA memory inside a cuMem allocation of this process (made
@@ -44,8 +44,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .. import cuda_driver as cu
-from .. import cumem, fdpass
+from ..ipc import cuda_driver as cu
+from ..ipc import cumem, fdpass
 from . import reach
 from .base import TransferBackend
 from .errors import BackendUnavailable, DescriptorError, PeerLostError, TransferError, UnsupportedMemory

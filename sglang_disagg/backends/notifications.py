@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from .errors import TransferError
 from .messages import MAX_NOTIFY
@@ -169,3 +170,29 @@ class NotifDrops:
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {f"{reason}_notifications_dropped": n for reason, n in self._counts.items()}
+
+
+def accept_notification(msg: object, live: Callable[[str], list[Any]], drops: NotifDrops) -> Notif | None:
+    """`msg`, one batch notification as NIXL or Mooncake delivered it, if it is to be credited: one
+    of ours, sealed by a live control connection of the peer it names (`live(sender)`: that peer's
+    connections here) and never seen on it before (the connection takes it: its replay window).
+    Else None, the drop counted in `drops` by reason; nothing is raised and no peer is blamed."""
+    try:
+        got = parse_notif(msg)
+        if got is None:
+            drops.drop("foreign", "not one of ours")
+            return None
+        senders = live(got.sender)
+        if not senders:
+            raise UnboundNotification(f"notification for tag {got.tag} from {got.sender[:8]}, "
+                                      "which has no live connection here")
+        # Several only while a re-link overlaps the old link: the one whose key seals it decides.
+        sealer = next((p for p in senders if p.sealed(got)), None)
+        if sealer is None:
+            raise ForgedNotification(f"notification for tag {got.tag} not sealed by a live connection of "
+                                     f"{got.sender[:8]}")
+        sealer.take_notification(got)
+    except RejectedNotification as e:
+        drops.drop(e.reason, e)
+        return None
+    return got

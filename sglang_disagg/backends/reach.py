@@ -20,7 +20,7 @@ import os
 import secrets
 from typing import Any
 
-from .. import shm
+from ..ipc import shm
 from .errors import BackendUnavailable, TransferError
 
 NOT_HERE = "is not on this host"  # in every such refusal (tests and operators look for it)

@@ -5,7 +5,7 @@ process_vm_writev (one copy, but through the kernel: ~0.6x memcpy here). When th
 receiver's memory is shared (a memfd or /dev/shm file; the messenger allocates KV pools
 so), the writer can map it and copy with memcpy. Same contract as every backend:
 
-- regions: ``register`` finds the file behind the range (sglang_disagg.shm.locate); the
+- regions: ``register`` finds the file behind the range (sglang_disagg.ipc.shm.locate); the
   descriptor names it, its device and inode and what it links to, all checked before the
   writer maps it. Memory that is not shared is refused with a DescriptorError.
 - same host: decided at first contact by whether the peer's memory can be reached (reach.py:
@@ -28,7 +28,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from .. import shm
+from ..ipc import shm
 from . import reach
 from .base import TransferBackend
 from .errors import BackendUnavailable, DescriptorError, TransferError, UnsupportedMemory

@@ -16,7 +16,7 @@ import os
 import subprocess
 import sys
 
-from .. import fdpass
+from ..ipc import fdpass
 from . import memory
 
 HALF = 8 << 20  # bytes in each of the K and V halves
@@ -32,7 +32,7 @@ def _owner(device: str) -> tuple[object, int, dict]:
     import torch
 
     if memory.kind(device) == "cuda":
-        from .. import cumem
+        from ..ipc import cumem
 
         pool = cumem.exportable_zeros((2 * HALF,), torch.uint8, torch.device(device))
         v = pool[HALF:]
@@ -62,7 +62,7 @@ def child(device: str, name: str) -> dict:
         if memory.kind(device) == "cuda":
             import torch
 
-            from .. import cumem
+            from ..ipc import cumem
 
             imp = cumem.Imported(cumem.Export(**msg.body["export"]), fd)
             n = imp.size - (imp.ptr - imp.base)

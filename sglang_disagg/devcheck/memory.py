@@ -16,10 +16,10 @@ def zeros(device: str, nbytes: int) -> Any:
     import torch
 
     if kind(device) == "cpu":
-        from ..shm import shared_zeros
+        from ..ipc.shm import shared_zeros
 
         return shared_zeros((nbytes,), torch.uint8, name="sglang-disagg-devcheck")
-    from ..cumem import exportable_zeros
+    from ..ipc.cumem import exportable_zeros
 
     return exportable_zeros((nbytes,), torch.uint8, torch.device(device))
 

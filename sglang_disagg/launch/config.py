@@ -272,7 +272,8 @@ class LaunchConfig:
         if self.role is Role.DECODE and not self.prefill_messengers:
             raise ValueError("--role decode in messenger mode needs at least one --prefill-messenger host:port")
         if self.role is not Role.COLOCATED:
-            from sglang_disagg.messenger import dataparallel, speculative
+            from sglang_disagg.messenger import speculative
+            from sglang_disagg.messenger.dp import support as dataparallel
 
             speculative.check_argv(self.extra_args)
             dataparallel.check_argv(self.extra_args)

@@ -35,7 +35,8 @@ group), which prefill groups each decoder may use, and the router.
 
 ``python -m sglang_disagg.launch --config FILE --node NAME`` starts one group (or the
 router, ``--node router``) with flags given on the command line overriding the file;
-``render.py`` turns the same file into Kubernetes manifests, OME objects and a Slurm batch script.
+``render.py`` turns the same file into Kubernetes manifests, OME objects and a Slurm batch script
+(``render_k8s.py``, ``render_ome.py``, ``render_slurm.py``).
 A bad file raises DeploymentError naming the field and the reason, and so does a deployment
 a start of one of its nodes would refuse on any machine (checks.check_deployment: the
 model's shape against the TP sizes, the port plan).

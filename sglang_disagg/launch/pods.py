@@ -1,5 +1,5 @@
-"""The containers of a rendered deployment (render.py for Kubernetes and Slurm, render_ome.py
-for OME): each runs the launcher with its node's flags (``launcher_argv``, the inverse of the
+"""The containers of a rendered deployment (render_k8s.py,
+render_slurm.py, render_ome.py): each runs the launcher with its node's flags (``launcher_argv``, the inverse of the
 launcher's parser, and the tests hold it to that), asks for its resources, is probed on the
 port it serves, and reads the shared secret from a Kubernetes Secret.
 

@@ -5,7 +5,7 @@ the CRDs vendored in schemas/, tag v0.1.5):
   decoder = the decode groups, router = the launcher's router (smg), each with as many
   replicas as the file has groups of that kind;
 - the ``ServingRuntime`` NAME it names, whose engineConfig / decoderConfig / routerConfig
-  runners are the launcher with each role's flags (render.launcher_argv, so they cannot
+  runners are the launcher with each role's flags (pods.launcher_argv, so they cannot
   drift from ``--config FILE --node``), with the resources, probes and secret of pods.py;
 - the ``BaseModel`` the InferenceService serves, and for a built-in model the DaemonSet
   that puts it on the nodes (below).

@@ -11,7 +11,7 @@ nothing to do for one says so in its body), so ``hooks`` never probes for a meth
 Scheduler side: every call comes from the scheduler thread of its TP rank, and every rank
 makes the same calls in the same scheduler iteration (SGLang keeps the ranks in lockstep;
 the messenger keeps that property, ranks.py). With data parallelism "the ranks" are one DP
-group's, each group with its own messenger and leader (dpgroup.py):
+group's, each group with its own messenger and leader (dp/place.py):
 
 ====================  =================  ================================================
 method                ranks              when (the patch that calls it)

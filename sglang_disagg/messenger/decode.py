@@ -33,13 +33,13 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
-import os
 import time
 from typing import Any
 
 from . import admission, wire
 from .config import MessengerConfig
-from .entry import CANCEL_TIMEOUT_S, Cancel, Entry, Lost, Phase, Release, lost_verdict, release_step
+from .decode_endings import RequestEndings
+from .entry import Entry, Lost, Phase, Release, lost_verdict
 from .faults import Fault
 from .inputs import Route
 from .links import Links
@@ -51,13 +51,9 @@ from .requests import HANDOFF_ATTR, LOCK_ATTR, abort_matches, fail_request, rele
 
 logger = logging.getLogger("sglang_disagg.messenger")
 
-TRACE = os.environ.get("SGLANG_DISAGG_TRACE") == "1"  # one timing line per request, for profiling
-# Failures that count against the request's prefill link (Links.outcome): its server failed
-# a valid order, or its writes never came. Not the order's own (INTAKE) nor the client's.
-LINK_FAULTS = (Cause.PREFILL, Cause.TRANSFER)
 
 
-class DecodeMessenger:
+class DecodeMessenger(RequestEndings):
     def __init__(self, cfg: MessengerConfig, scheduler: Any) -> None:
         self.cfg, self.sched = cfg, scheduler
         self.node = Node(cfg, scheduler)
@@ -291,105 +287,6 @@ class DecodeMessenger:
             "in_flight": phases, "links": links, "scheduler": scheduler_state(self.sched, self.node.page_size),
             "late_writes_dropped": self.backend.stats()["late_writes_dropped"] if self.backend else 0,
             "recent": list(self.recent)}
-
-    def _reroute(self, e: Entry) -> None:
-        """Back to ROUTE with a fresh tag; the old one stays retired (nothing of it landed)."""
-        old, link = e.tag, e.link
-        logger.warning("messenger: %s: prefill server %s is gone before any write landed; asking another",
-                       e.req.rid, link)
-        self._settle_link(e)
-        e.tag, e.link, e.phase, e.since, e.routed, e.rerouted = -1, "", Phase.ROUTE, time.monotonic(), False, True
-        e.landed, e.failed, e.cause, e.lost, e.first_landed = False, "", None, 0.0, False
-        if self.backend is not None and old >= 0:
-            self.backend.retire(old, "re-routed")
-        self.stats["requests_rerouted"] += 1
-        self.node.metrics.requests.labels("rerouted").inc()
-        self.node.wakeup.set()
-
-    def _leader_release_decisions(self) -> None:
-        now = time.monotonic()
-        for e in self.entries.values():
-            if e.phase not in (Phase.RELEASE, Phase.QUARANTINE) or e.release:
-                continue
-            link = self.links.links.get(e.link) if e.link else None
-            if release_step(e, link, now) is Cancel.SEND:
-                try:
-                    link.send(wire.Cancel(rid=e.req.rid, tag=e.tag))
-                except Exception:  # noqa: BLE001 - the link died: wait for it to come back or be gone
-                    pass
-
-    def _hand_off(self, e: Entry) -> None:
-        req, sched = e.req, self.sched
-        del self.entries[e.seq]
-        self._settle_link(e)
-        if self.links is not None and e.link:
-            self.links.outcome(e.link)
-        if self.fault is not None and e.start_page < len(e.pages):
-            self.fault.apply(self.node.view, e.pages[e.start_page:])  # never the tree's shared pages
-        req.prefix_len = e.n_tokens
-        setattr(req, HANDOFF_ATTR, e.n_tokens)
-        # Our lock on the reused prefix must hold until SGLang admits the request, whose
-        # admission takes a lock of its own and overwrites req.lock: ours is released then.
-        setattr(req, LOCK_ATTR, req.lock)
-        sched.waiting_queue.append(req)
-        req.time_stats.set_wait_queue_entry_time()
-        req.arrival_processed_tokens = sched.processed_tokens_counter
-        self.stats["requests_carried"] += 1
-        self.stats["writes_received"] += e.writes
-        m, now = self.node.metrics, time.monotonic()
-        m.requests.labels("carried").inc()
-        m.writes.inc(e.writes)
-        m.bytes.inc(e.bytes)
-        t = e.times
-        m.observe_ttft("memory", t.get("take"), t.get("route"))
-        m.observe_ttft("prefill", t.get("sent"), t.get("landed"))
-        if "sent" in t and "landed" in t:
-            m.transfer.observe(max(0.0, t["landed"] - t["sent"]))
-        if len(self._first_step) < 4096:  # bounded: entries of requests that never decode are dropped
-            self._first_step[req.rid] = now
-        self.recent.append({"rid": req.rid, "tokens": e.n_tokens, "pages": len(e.pages), "reused": e.start_page,
-                            "writes": e.writes} | e.times | {"handoff": time.monotonic()})
-        if TRACE:
-            t = e.times | {"handoff": time.monotonic()}
-            logger.info("messenger trace %s: take at %.4f (monotonic), %d tokens, %d pages, %d writes; "
-                        "ms since take: %s", req.rid[:8], e.times["take"], e.n_tokens, len(e.pages), e.expected,
-                        ", ".join(f"{k} {1000 * (v - t['take']):.1f}" for k, v in t.items()))
-
-    def _fail(self, e: Entry, reason: str, cause: Cause) -> None:
-        if self.links is not None and e.link and cause in LINK_FAULTS and not e.lost:
-            self.links.outcome(e.link, reason)  # a lost connection is the link thread's concern
-        self.stats["requests_failed"] += 1
-        self.node.metrics.fail(cause)
-        logger.warning("messenger: request %s failed: %s", e.req.rid, reason)
-        fail_request(self.sched, e.req, reason)
-        if e.tag >= 0 and self.backend is not None:
-            self.backend.retire(e.tag, reason)
-        e.phase, e.failed, e.since = Phase.RELEASE, reason, time.monotonic()
-
-    def _finish_failed(self, e: Entry, reason: str, cause: Cause) -> None:
-        """Fail a request no write was ever asked for: free its pages now."""
-        self.stats["requests_failed"] += 1
-        self.node.metrics.fail(cause)
-        fail_request(self.sched, e.req, reason)
-        del self.entries[e.seq]
-        release(self.sched, e.req)
-
-    def _release(self, e: Entry, quarantine: bool) -> None:
-        if quarantine:
-            # The prefill server did not confirm the cancel: a write may still land in these
-            # pages, so nobody gets them until it answers after all or is gone.
-            e.phase, e.release = Phase.QUARANTINE, Release.UNDECIDED
-            self.stats["pages_quarantined"] += len(e.pages)
-            logger.error("messenger: %d pages of %s quarantined: %s did not confirm the cancel in %.0f s",
-                         len(e.pages), e.req.rid, e.link, CANCEL_TIMEOUT_S)
-            return
-        del self.entries[e.seq]
-        self._settle_link(e)
-        release(self.sched, e.req)
-
-    def _settle_link(self, e: Entry) -> None:
-        if self.links is not None and e.link:
-            self.links.links[e.link].outstanding -= 1
 
     # ----- aborts, scheduling, idleness -----------------------------------------------
     def abort(self, recv_req: Any) -> None:

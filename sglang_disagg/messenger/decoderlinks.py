@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..backends import PeerState
+from .inputs import DecoderKey
 from .orders import DecoderLink
 
 PARKED = 16
@@ -28,31 +29,31 @@ PARKED = 16
 
 class DecoderLinks:
     def __init__(self) -> None:
-        self._links: dict[str, DecoderLink] = {}
-        self._leaving: set[str] = set()   # left, but an order of theirs is still here
-        self._parked: collections.OrderedDict[str, Any] = collections.OrderedDict()  # key -> data peer (leader)
+        self._links: dict[DecoderKey, DecoderLink] = {}
+        self._leaving: set[DecoderKey] = set()   # left, but an order of theirs is still here
+        self._parked: collections.OrderedDict[DecoderKey, Any] = collections.OrderedDict()  # key -> data peer (leader)
 
     # ----- reads -----------------------------------------------------------------------
-    def get(self, key: str) -> DecoderLink | None:
+    def get(self, key: DecoderKey) -> DecoderLink | None:
         return self._links.get(key)
 
-    def __getitem__(self, key: str) -> DecoderLink:
+    def __getitem__(self, key: DecoderKey) -> DecoderLink:
         return self._links[key]
 
-    def items(self) -> list[tuple[str, DecoderLink]]:
+    def items(self) -> list[tuple[DecoderKey, DecoderLink]]:
         return list(self._links.items())  # a copy: the metrics thread reads while the scheduler writes
 
     def __len__(self) -> int:
         return len(self._links)
 
-    def __iter__(self) -> Iterator[str]:
+    def __iter__(self) -> Iterator[DecoderKey]:
         return iter(list(self._links))
 
     def sizes(self) -> dict[str, int]:
         return {"links": len(self._links), "leaving": len(self._leaving), "parked": len(self._parked)}
 
     # ----- the life cycle ----------------------------------------------------------------
-    def join(self, key: str, link: DecoderLink) -> Any:
+    def join(self, key: DecoderKey, link: DecoderLink) -> Any:
         """Record `link`; the data peer to keep for it if one lives (the previous link's, or
         one parked when it left), else None."""
         old = self._links.get(key)
@@ -64,7 +65,7 @@ class DecoderLinks:
             _close(parked)
         return kept
 
-    def leave(self, key: str, busy: bool) -> None:
+    def leave(self, key: DecoderKey, busy: bool) -> None:
         """The decoder is gone (its orders' cancels applied before this). `busy`: an order of
         it is still on this rank; the link then stays until `settled`."""
         if key not in self._links:
@@ -74,7 +75,7 @@ class DecoderLinks:
         else:
             self._drop(key)
 
-    def settled(self, key: str, busy: bool) -> None:
+    def settled(self, key: DecoderKey, busy: bool) -> None:
         """An order of `key` ended here; `busy`: another one is still here."""
         if key in self._leaving and not busy:
             self._leaving.discard(key)
@@ -85,7 +86,7 @@ class DecoderLinks:
             _close(peer)
         self._parked.clear()
 
-    def _drop(self, key: str) -> None:
+    def _drop(self, key: DecoderKey) -> None:
         link = self._links.pop(key)
         peer = link.peers.get(0)
         for k in [k for k, p in self._parked.items() if p.state is not PeerState.CONNECTED]:

@@ -19,10 +19,23 @@ class MessengerInput:
 
 # Prefill side ------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
+class DecoderKey:
+    """Which decoder an order is for: the decoder leader's backend instance id (the peer it
+    says Hello from) and its DP group whose pool the Hello described (0 without DP; each
+    group of a DP decoder says Hello on a connection of its own)."""
+
+    instance: str
+    group: int = 0
+
+    def __str__(self) -> str:  # for logs: enough of the instance to tell decoders apart
+        return f"{self.instance[:12]}/{self.group}"
+
+
+@dataclass(frozen=True, slots=True)
 class DecoderJoined(MessengerInput):
     """A decoder passed first contact: every rank learns its ranks and regions."""
 
-    key: str          # the decoder leader's backend instance id
+    key: DecoderKey
     hello: Hello
 
 
@@ -31,18 +44,18 @@ class DecoderLeft(MessengerInput):
     """A decoder's control connection was lost (or replaced by a later Hello on it), its
     orders' cancels already out: every rank forgets its link (decoderlinks.py)."""
 
-    key: str
+    key: DecoderKey
 
 
 @dataclass(frozen=True, slots=True)
 class OrderTicket(MessengerInput):
-    key: str
+    key: DecoderKey
     order: PrefillOrder
 
 
 @dataclass(frozen=True, slots=True)
 class CancelTicket(MessengerInput):
-    key: str
+    key: DecoderKey | None  # None: from a connection that said no Hello (nothing of it is open)
     tag: int
 
 

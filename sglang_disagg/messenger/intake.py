@@ -25,7 +25,7 @@ from typing import Any
 from ..backends import PeerState
 from . import compat, wire
 from .faults import HoldOrders
-from .inputs import CancelTicket, DecoderJoined, DecoderLeft, MessengerInput, OrderTicket
+from .inputs import CancelTicket, DecoderJoined, DecoderKey, DecoderLeft, MessengerInput, OrderTicket
 from .node import Node
 from .planner import ShardPlan, pages_for
 
@@ -42,17 +42,17 @@ class Intake:
         # peers and _keys are inverse maps (one key per connection, one connection per key).
         # The control thread adds, the scheduler thread (drain) forgets: both under _lock.
         self._lock = threading.Lock()
-        self.peers: dict[str, Any] = {}             # decoder key -> control peer
-        self._keys: dict[Any, str] = {}              # control peer -> decoder key, from its Hello
+        self.peers: dict[DecoderKey, Any] = {}           # decoder key -> control peer
+        self._keys: dict[Any, DecoderKey] = {}            # control peer -> decoder key, from its Hello
         self._inbox: collections.deque[MessengerInput] = collections.deque()
-        self._capacity: dict[str, int] = {}          # decoder key -> pages its regions hold
-        self._replaced: list[str] = []               # keys a connection's later Hello replaced: to cancel
+        self._capacity: dict[DecoderKey, int] = {}        # decoder key -> pages its regions hold
+        self._replaced: list[DecoderKey] = []             # keys a connection's later Hello replaced: to cancel
         self._hold = HoldOrders.from_env()           # test fault: some orders wait before they are taken
 
     def on_message(self, peer: Any, msg: wire.Message) -> None:  # control thread
         if isinstance(msg, wire.Hello):
             # A decoder is one instance per server; a DP decoder's groups each say Hello.
-            key = f"{peer.id}/{msg.group}"
+            key = DecoderKey(peer.id, msg.group)
             reasons = compat.differences(msg.kv, self.node.spec)
             if not reasons:
                 try:
@@ -71,12 +71,12 @@ class Intake:
         elif isinstance(msg, wire.PrefillOrder):
             held = self._hold is not None and msg.rid.startswith(self._hold.prefix)
             with self._lock:  # checked and queued at once: drain cannot forget the key in between
-                key = self._keys.get(peer, "")
+                key = self._keys.get(peer)
                 problem = self.check_order(key, msg)
                 if not problem and not held:
                     self._inbox.append(OrderTicket(key, msg))
             if problem:
-                self.node.order_done(peer.id, msg.tag)
+                self.node.dp.order_done(key or DecoderKey(peer.id), msg.tag)  # the owner forgets it
                 peer.send(wire.encode(wire.OrderFailed(rid=msg.rid, tag=msg.tag, reason=problem,
                                                                 blame=wire.Blame.ORDER)))
                 return
@@ -87,13 +87,13 @@ class Intake:
                 return
         elif isinstance(msg, wire.Cancel):
             with self._lock:
-                self._inbox.append(CancelTicket(self._keys.get(peer, ""), msg.tag))
+                self._inbox.append(CancelTicket(self._keys.get(peer), msg.tag))
         else:
             logger.warning("messenger: unexpected %s from %s", type(msg).__name__, peer.address)
             return
         self.node.wakeup.set()
 
-    def _join(self, peer: Any, key: str, hello: wire.Hello, capacity: int) -> list[str]:
+    def _join(self, peer: Any, key: DecoderKey, hello: wire.Hello, capacity: int) -> list[str]:
         """Record a Hello that passed the checks (control thread); why it is refused if not."""
         with self._lock:
             old = self._keys.get(peer)
@@ -115,7 +115,7 @@ class Intake:
             self._inbox.append(DecoderJoined(key, hello))
         return []
 
-    def _forget(self, key: str) -> None:  # under _lock
+    def _forget(self, key: DecoderKey) -> None:  # under _lock
         peer = self.peers.pop(key, None)
         if peer is not None and self._keys.get(peer) == key:
             del self._keys[peer]
@@ -125,7 +125,7 @@ class Intake:
         self._inbox.append(ticket)
         self.node.wakeup.set()
 
-    def check_order(self, key: str, o: wire.PrefillOrder) -> str:
+    def check_order(self, key: DecoderKey | None, o: wire.PrefillOrder) -> str:
         """Why this order must be refused before anything is computed or written ("" if not)."""
         ps = self.node.page_size
         capacity = self._capacity.get(key)
@@ -150,7 +150,7 @@ class Intake:
             return f"last token {o.last_token!r} outside the model's vocabulary of {self.vocab}"
         return ""
 
-    def drain(self, open_tags: Callable[[str], Iterable[int]]) -> list[MessengerInput]:
+    def drain(self, open_tags: Callable[[DecoderKey], Iterable[int]]) -> list[MessengerInput]:
         """Queued inputs, then a cancel for every order (`open_tags(key)`, or just queued) of
         each decoder lost (or replaced by its connection's later Hello) since the last look;
         such a decoder's key is forgotten here, its cancels being out."""
@@ -164,7 +164,7 @@ class Intake:
                 # After the orders just taken from the inbox, so their tickets exist when these apply.
                 tags = set(open_tags(key)) | {i.order.tag for i in out
                                               if isinstance(i, OrderTicket) and i.key == key}
-                logger.warning("messenger: decoder %s %s: cancelling its %d order(s)", key[:12], why, len(tags))
+                logger.warning("messenger: decoder %s %s: cancelling its %d order(s)", key, why, len(tags))
                 out += [CancelTicket(key, tag) for tag in sorted(tags)]
                 out.append(DecoderLeft(key))  # after its cancels: the ranks drop its link
                 if why == "lost":
@@ -177,7 +177,7 @@ class Intake:
             return bool(self._inbox or self._replaced) or any(
                 p.state is not PeerState.CONNECTED for p in self.peers.values())
 
-    def send(self, key: str, msg: wire.Message) -> None:
+    def send(self, key: DecoderKey, msg: wire.Message) -> None:
         """To the decoder's control connection; a decoder that is gone needs no answer."""
         peer = self.peers.get(key)
         if peer is not None:

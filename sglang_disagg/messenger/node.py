@@ -16,12 +16,11 @@ from typing import Any
 from ..backends import BackendConfig, PeerLostError, auth, create_backend
 from ..backends.notifications import NotifDrops
 from ..backends.regions import HOST, cuda
-from .. import cumem, handover, shm
+from ..ipc import cumem, handover, shm
 from . import compat, speculative, wire
 from .config import MessengerConfig, MessengerRole
-from .dpgroup import Place
-from .dpowner import Owner
-from .dpproxy import ProxyBackend
+from .dp.groups import Groups, open_groups
+from .dp.place import Place
 from .kvpool import KVPoolView
 from .metrics import MessengerMetrics
 from .ranks import RankGroup
@@ -40,9 +39,10 @@ class Node:
     registers all of them, so pages of every rank move through one backend instance and one
     connection per peer server. Non-leader ranks keep no backend: they follow the leader's
     decisions through the scheduler's broadcast and ranks.agree().
-    With data parallelism (dpgroup.py) the ranks are a DP group's and each group has a Node of
-    its own: group 0's leader holds the server's one backend and serves the other groups
-    (dpowner.Owner), whose leaders hold a dpproxy.ProxyBackend to it instead."""
+    With data parallelism (dp/) the ranks are a DP group's and each group has a Node of its
+    own: group 0's leader holds the server's one backend and serves the other groups, whose
+    leaders reach it through a proxy; Node sees either through `self.dp` (dp/groups.py), the
+    same way as without DP."""
 
     def __init__(self, cfg: MessengerConfig, scheduler: Any) -> None:
         self.cfg = cfg
@@ -71,23 +71,21 @@ class Node:
                 fds = inbox.collect({r: backings[r] for r in range(1, self.ranks.size)})
             finally:
                 inbox.close()
-        self.backend: Transport | None = None
-        self.owner: Owner | None = None
         self.regions: dict[int, list[Any]] = {}  # rank -> its (layer, kind) regions, leader only
         self.addresses: dict[int, list[int]] = {}  # rank -> where those regions are mapped here (leader)
         self._mappings: list[shm.Mapping | cumem.Imported] = []
         endpoints: list[wire.RankEndpoint] = []
         secret = _require_secret() if self.ranks.is_leader else None
-        if self.ranks.is_leader and self.group > 0:
-            # One backend per server: this DP group's leader reaches the owner's.
-            self.backend = ProxyBackend(place.owner_socket(secret), self.group, OWNER_WAIT_S)
-        elif self.ranks.is_leader:
+
+        def make_backend() -> Transport:
             listen = cfg.port if cfg.role is MessengerRole.PREFILL else 0
-            self.backend = create_backend(cfg.backend, BackendConfig(
+            return create_backend(cfg.backend, BackendConfig(
                 provider=cfg.provider, host=cfg.host, port=listen, secret=secret,
                 handshake_timeout_s=min(2.0, cfg.connect_timeout_s)))
-            if self.groups > 1:
-                self.owner = Owner(self.backend, place.owner_socket(secret), cfg.role, self.groups)
+
+        # One backend per server, on the leader of its (first) group; dp/groups.py.
+        self.dp: Groups = open_groups(place, self.ranks.is_leader, cfg.role, secret, make_backend)
+        self.backend: Transport | None = self.dp.backend
         if self.ranks.is_leader:
             for rank in range(self.ranks.size):
                 if rank == 0:
@@ -151,15 +149,9 @@ class Node:
 
     def start_reader(self, handle: Callable[[Any, wire.Message], None]) -> None:
         """Leader only: read control messages from peers and hand decoded ones to `handle`
-        (a DP server's owner hands each to the group it is for, dpowner.py). One peer's bad
+        (a DP server's owner hands each to the group it is for, dp/owner.py). One peer's bad
         message costs at most that peer's connection, never the thread (reader.py)."""
-        if self.owner is not None:  # a DP server's owner: every group's messages arrive here
-            self.owner.local = handle
-            dispatch = self.owner.dispatch
-        else:
-            def dispatch(peer: Any, raw: bytes, msg: wire.Message) -> None:
-                handle(peer, msg)
-        self._reader = ControlReader(self.backend, dispatch, self.name, self._stop)
+        self._reader = ControlReader(self.backend, self.dp.dispatcher(handle), self.name, self._stop)
         self._reader.start()
 
     def wakeup_fd(self) -> int | None:
@@ -180,7 +172,7 @@ class Node:
     def backend_gauges(self) -> dict[str, dict[str, float]]:
         """What hostile or broken peers cost this node's backend, for the metrics (HTTP thread).
         Only where the backend lives: a DP group's proxy would ask its owner, which reports its own."""
-        if self.backend is None or isinstance(self.backend, ProxyBackend):
+        if self.backend is None or not self.dp.local:
             return {}
         try:
             stats = self.backend.stats()
@@ -193,7 +185,7 @@ class Node:
 
     def owner_gone(self) -> str:
         """DP group > 0: why the server's backend is out of reach ("" while the owner lives)."""
-        return self.backend.gone if isinstance(self.backend, ProxyBackend) else ""
+        return self.dp.gone
 
     def stop_if_owner_gone(self, fail_all: Callable[[str], None]) -> None:
         """DP group > 0, each step: the owner (group 0's leader) died. Fail what this group
@@ -224,21 +216,10 @@ class Node:
                 raise
             self.stop_if_owner_gone(fail_all)
 
-    def order_done(self, instance: str, tag: int) -> None:
-        """Prefill, DP: this group finished an order of decoder `instance` (the owner gives
-        the next order to the group with the fewest outstanding)."""
-        if self.owner is not None:
-            self.owner.order_done(instance, tag)
-        elif isinstance(self.backend, ProxyBackend):
-            self.backend.order_done(instance, tag)
-
     def close(self) -> None:
         self._stop.set()
         self.metrics.close()
-        if self.owner is not None:
-            self.owner.close()
-        if self.backend is not None:
-            self.backend.close()
+        self.dp.close()
         if self._reader is not None:
             self._reader.join(timeout=2.0)
         for m in self._mappings:
@@ -246,7 +227,6 @@ class Node:
         self.wakeup.close()
 
 
-OWNER_WAIT_S = 120.0  # the owner (group 0's leader) loads its model at the same time
 OWNER_GRACE_S = 1.0   # a group that lost the owner fails its requests, then stops its server this much later
 
 

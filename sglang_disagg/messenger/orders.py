@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import wire
+from .inputs import DecoderKey
 from .planner import ShardPlan
 
 
@@ -29,7 +30,7 @@ class Record:
 
     seq: int
     rid: str
-    key: str
+    key: DecoderKey
     order: wire.PrefillOrder
     req: Any = None
     sent: int = 0            # pages planned for writing so far

@@ -18,7 +18,7 @@ has failed them already (it asks for Released on the new connection). The contro
 contact; everything that touches the scheduler goes through the broadcast.
 
 One messenger per server: the leader (TP rank 0; with DP, each group's leader, its writes
-posted through group 0's backend: dpowner.py) owns the only backend, the layer counter
+posted through group 0's backend: dp/owner.py) owns the only backend, the layer counter
 and the streamer, and posts the writes of every rank's pages (Node maps the other ranks'
 KV). The layer counter can live on the leader alone because the reduction of o_proj's
 partial sums synchronises the ranks: once the leader's forward passed layer L + 1, every
@@ -37,28 +37,28 @@ import time
 from array import array
 from typing import Any
 
-from ..backends import PeerState, TransferError
+from ..backends import PeerState
 from ..devices import for_device
 from . import wire
 from .config import MessengerConfig
 from .decoderlinks import DecoderLinks
-from .inputs import CancelTicket, DecoderJoined, DecoderLeft, MessengerInput, OrderTicket
+from .inputs import CancelTicket, DecoderJoined, DecoderKey, DecoderLeft, MessengerInput, OrderTicket
 from .intake import Intake
 from .faults import ENV as FAULT_ENV, CorruptSource
-from .kvpool import post
 from .layers import LayerCounter
 from .node import Node
 from .metrics import Cause, scheduler_state
 from .orders import DecoderLink, Record
-from .planner import ShardPlan, WriteGroup, pages_for
+from .planner import ShardPlan
+from .prefill_writes import ChunkWrites
 from .requests import ORDER_ATTR, abort_matches, fail_request, release
-from .stream import LAYER_TIMEOUT_S, Chunk, Streamer, Ticket
+from .stream import LAYER_TIMEOUT_S, Streamer, Ticket
 
 logger = logging.getLogger("sglang_disagg.messenger")
 TRACE = os.environ.get("SGLANG_DISAGG_TRACE") == "1"  # one timing line per order, for profiling
 
 
-class PrefillMessenger:
+class PrefillMessenger(ChunkWrites):
     def __init__(self, cfg: MessengerConfig, scheduler: Any, device: str, counter: LayerCounter | None) -> None:
         """`device`: 'cpu' or 'cuda:N', where the forward runs; `counter`: the layer counter
         put on the model at load (hooks.model_loaded), needed by a streaming leader."""
@@ -108,7 +108,7 @@ class PrefillMessenger:
         elif isinstance(item, DecoderLeft):
             self.decoders.leave(item.key, busy=self._busy(item.key))
 
-    def _busy(self, key: str) -> bool:
+    def _busy(self, key: DecoderKey) -> bool:
         return any(r.key == key for r in self.records.values())
 
     def _join(self, item: DecoderJoined) -> None:
@@ -155,7 +155,7 @@ class PrefillMessenger:
         from sglang.srt.sampling.sampling_params import SamplingParams
 
         o = item.order
-        rec = Record(next(self._seq), f"mx-{item.key[:12]}-{o.tag}", item.key, o, sent=o.start_page)
+        rec = Record(next(self._seq), f"mx-{item.key.instance[:12]}-{o.tag}", item.key, o, sent=o.start_page)
         rec.times["admit"] = time.monotonic()
         self.records[rec.rid] = rec
         self.stats["orders"] += 1
@@ -247,77 +247,6 @@ class PrefillMessenger:
                 out[i] = rec.order.last_token
         return out
 
-    def _chunk(self, req: Any, by_layer: bool) -> Chunk | None:
-        """The pages `req` has complete once the current forward ends, not written yet, as
-        write groups: per layer when streaming (pages of a cached prefix exist already)."""
-        rec = getattr(req, ORDER_ATTR, None)
-        if rec is None or rec.failed or rec.held:
-            return None
-        ps, o = self.node.page_size, rec.order
-        total = len(o.token_ids)
-        upto = pages_for(total, ps) if req.extend_end >= total else req.extend_end // ps
-        if upto <= rec.sent:
-            return None
-        plan = self.decoders[rec.key].plan.for_request(o.tag)  # MLA: this request's source replicas
-        if rec.sent == 0 and self.ranks.is_leader:
-            for src in {p.src_rank for p in plan.pieces}:
-                self.by_source[src] = self.by_source.get(src, 0) + 1
-        row = self.sched.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
-        first, cached = rec.sent, max(rec.sent, min(upto, req.prefix_len // ps))
-        chunk = Chunk(rec)
-        if not self.ranks.is_leader:  # page ids are alike on every rank; the leader posts for all
-            self.stats["pages_sent"] += upto - rec.sent
-            rec.sent = upto
-            return None
-        if cached > first or not by_layer:
-            end = cached if by_layer else upto
-            chunk.ready = plan.groups((row[first * ps:end * ps:ps] // ps).tolist(), o.dst_pages[first:end])
-        if by_layer and upto > cached:
-            chunk.place(plan.groups((row[cached * ps:upto * ps:ps] // ps).tolist(), o.dst_pages[cached:upto]),
-                        self.ranks.rank, self.node.view.target_layers)
-        self.stats["pages_sent"] += upto - rec.sent
-        rec.sent = upto
-        rec.times.setdefault("forward_start", time.monotonic())
-        return chunk
-
-    def _post(self, chunk: Chunk, groups: list[WriteGroup]) -> None:
-        """Post write groups of one order (scheduler thread or streamer thread)."""
-        rec = chunk.rec
-        link = self.decoders[rec.key]
-        m = self.node.metrics
-        rec.times.setdefault("first_post", time.monotonic())
-        try:
-            if self._fail_writes:
-                raise TransferError(f"injected fault ({FAULT_ENV}=fail_writes): this server cannot write into "
-                                    "the decoder's pages")
-            if self._corrupt is not None:
-                self._corrupt.apply(self.node.addresses[self._corrupt.rank], self.node.view.region, groups,
-                                    rec.order.rid)
-            for g in groups:
-                fut = post(self.backend, link.peers[g.dst_rank], g, self.node.regions[g.src_rank],
-                           link.remote[g.dst_rank], rec.order.tag, len(self.node.view.geometry.kinds))
-                rec.posted_one()
-                self.stats["writes_posted"] += g.writes
-                m.writes.inc(g.writes)
-                m.bytes.inc(g.writes * g.length)
-                layer = None if groups is chunk.ready else g.layer  # streamed groups time the layers
-                fut.add_done_callback(lambda f, layer=layer, t=time.monotonic(): self._written(rec, f, layer, t))
-        except Exception as e:  # noqa: BLE001 - the order fails; posted writes still drain
-            rec.failed = f"posting KV writes failed: {e}"
-
-    def _written(self, rec: Record, fut: Any, layer: int | None, posted_at: float) -> None:  # backend thread
-        last = self.node.view.geometry.num_layers - 1
-        rec.on_write_done(fut, layer, last, self.node.wakeup)
-        if layer is not None:
-            self.node.metrics.layer.observe(time.monotonic() - posted_at)
-
-    @staticmethod
-    def _settle(chunk: Chunk, timeout_s: float = 10.0) -> None:
-        """Wait until every write posted for the chunk's order completed (negative control)."""
-        deadline = time.monotonic() + timeout_s
-        while not chunk.rec.writes_done and time.monotonic() < deadline:
-            time.sleep(0.001)
-
     def hold_release(self, req: Any, checkpoint: bool) -> bool:
         rec = getattr(req, ORDER_ATTR, None)
         if rec is None or rec.done:
@@ -395,7 +324,7 @@ class PrefillMessenger:
             if "first_post" in t and "last_write" in t:
                 m.transfer.observe(max(0.0, t["last_write"] - t["first_post"]))
         if self.intake is not None:
-            self.node.order_done(rec.key.rpartition("/")[0], rec.order.tag)
+            self.node.dp.order_done(rec.key, rec.order.tag)
         if self.intake is not None and (rec.cancelled or failed):
             self.intake.send(rec.key, wire.Released(rid=rec.order.rid, tag=rec.order.tag) if rec.cancelled else
                              wire.OrderFailed(rid=rec.order.rid, tag=rec.order.tag,

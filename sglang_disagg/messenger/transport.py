@@ -2,7 +2,7 @@
 
 These Protocols hold exactly the members the messenger package calls on a backend and on its
 peers, no more: a `backends.base.TransferBackend` (and its `Peer`) satisfies them, and so does
-`dpproxy.ProxyBackend` (and its `ProxyPeer`), which stands in for the server's one backend in a
+`dp.proxy.ProxyBackend` (and its `ProxyPeer`), which stands in for the server's one backend in a
 DP group other than the owner's. What the messenger does not call (`wait_peer`, `write`,
 `write_uniform`, `peers`, `Peer.notify`, ...) is the backends' own business and is not here.
 

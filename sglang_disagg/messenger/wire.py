@@ -3,7 +3,7 @@
 Each message is a frozen dataclass sent as one JSON object with named fields plus
 ``"type"`` and ``"v"``; never positional frames. ``decode()`` checks the version, the type,
 the exact set of fields and every field's type before a message object exists, and raises
-``WireError`` naming what is wrong. They travel as control messages of the transfer
+``WireError`` naming what is wrong (the codec is fields.py, shared with dp/wire.py). They travel as control messages of the transfer
 backend's per-peer channel (``Peer.send`` / ``TransferBackend.recv``).
 
 Flow (decoder D, prefill server P)::
@@ -23,14 +23,10 @@ There is deliberately no "done" message: D counts the writes carrying `tag`.
 from __future__ import annotations
 
 import enum
-import functools
-import json
-import reprlib
-import typing
-from dataclasses import dataclass, fields
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import ClassVar
 
-from .. import untrusted
+from .fields import Codec
 
 WIRE_VERSION = 6  # 2: OrderFailed.blame; 3: KVSpec.draft/draft_layers, PrefillOrder.last_token;
 # 4: KVSpec.draft_hidden_size; 5: KVSpec.kv_lora_rank/rope_dim/replicated (MLA); 6: Hello.group (DP)
@@ -199,96 +195,14 @@ MESSAGES: dict[str, type[Message]] = {cls.TYPE: cls for cls in (Hello, Welcome, 
                                                                  Cancel, Released)}
 
 
+_CODEC = Codec("wire", WIRE_VERSION, MESSAGES, WireError, MAX_MESSAGE_BYTES, _MOST, _ITEM_MOST)
+
+
 def encode(msg: Message) -> bytes:
-    body = {"type": msg.TYPE, "v": WIRE_VERSION}
-    body.update(_to_json(msg))
-    return json.dumps(body, separators=(",", ":")).encode()
+    return _CODEC.encode(msg)
 
 
 def decode(raw: bytes | str) -> Message:
     """The message in `raw`, from a peer: anything wrong with it raises WireError, whatever
-    the bytes (untrusted.py bounds size and nesting before json parses them)."""
-    try:
-        obj = untrusted.loads(raw, MAX_MESSAGE_BYTES)
-    except untrusted.MalformedJSON as e:
-        raise WireError(f"unreadable message: {e}") from None
-    if not isinstance(obj, dict):
-        raise WireError("message must be a JSON object")
-    if obj.get("v") != WIRE_VERSION:
-        raise WireError(f"wire version {reprlib.repr(obj.get('v'))}, this build speaks {WIRE_VERSION}")
-    kind = obj.get("type")
-    cls = MESSAGES.get(kind) if isinstance(kind, str) else None
-    if cls is None:
-        raise WireError(f"unknown message type {reprlib.repr(kind)}; known: {', '.join(MESSAGES)}")
-    try:
-        return _from_json(cls, {k: v for k, v in obj.items() if k not in ("type", "v")}, cls.TYPE)
-    except WireError:
-        raise
-    except Exception as e:  # noqa: BLE001 - a check this module lacks: still the peer's bad message
-        raise WireError(f"{cls.TYPE}: cannot be read ({type(e).__name__}: {e})") from e
-
-
-def _to_json(obj: Any) -> Any:
-    if hasattr(obj, "__dataclass_fields__"):
-        return {f.name: _to_json(getattr(obj, f.name)) for f in fields(obj)}
-    if isinstance(obj, tuple):
-        return [_to_json(x) for x in obj]
-    if isinstance(obj, enum.Enum):
-        return obj.value
-    return obj
-
-
-def _from_json(cls: type, obj: Any, where: str) -> Any:
-    if not isinstance(obj, dict):
-        raise WireError(f"{where}: expected an object")
-    names = [f.name for f in fields(cls)]
-    if set(obj) != set(names):
-        missing, extra = sorted(set(names) - set(obj)), sorted(set(obj) - set(names))
-        raise WireError(f"{where}: fields differ (missing {missing}, unexpected {reprlib.repr(extra)})")
-    hints = _hints(cls)
-    return cls(**{n: _value(hints[n], obj[n], f"{where}.{n}", f"{cls.__name__}.{n}") for n in names})
-
-
-@functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _value(hint: Any, v: Any, where: str, field: str = "", item: bool = False) -> Any:
-    """`v` as `hint`, within the bound of `field` ("Class.field"; `item`: of one of its items)."""
-    most = (_ITEM_MOST if item else _MOST).get(field)
-    origin = typing.get_origin(hint)
-    if origin is tuple:
-        item_hint = typing.get_args(hint)[0]
-        limit = MAX_TOKENS if most is None else most
-        if not isinstance(v, list):
-            raise WireError(f"{where}: expected a list")
-        if len(v) > limit:
-            raise WireError(f"{where}: {len(v)} items exceed {limit}")
-        top = _ITEM_MOST.get(field, MAX_INT)
-        if item_hint is int and all(type(x) is int and 0 <= x <= top for x in v):
-            return tuple(v)  # the common case (token ids, page ids) without a call per item
-        return tuple(_value(item_hint, x, f"{where}[{i}]", field, True) for i, x in enumerate(v))
-    if hint is int:
-        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_INT:
-            raise WireError(f"{where}: expected a non-negative integer, got {reprlib.repr(v)}")
-        if most is not None and v > most:
-            raise WireError(f"{where}: {v} exceeds {most}")
-        return v
-    if hint is bool:
-        if not isinstance(v, bool):
-            raise WireError(f"{where}: expected true or false, got {reprlib.repr(v)}")
-        return v
-    if hint is str:
-        if not isinstance(v, str):
-            raise WireError(f"{where}: expected a string, got {type(v).__name__}")
-        if len(v) > (MAX_TEXT if most is None else most):
-            raise WireError(f"{where}: {len(v)} characters exceed {MAX_TEXT if most is None else most}")
-        return v
-    if isinstance(hint, type) and issubclass(hint, enum.Enum):
-        if not isinstance(v, str) or v not in {m.value for m in hint}:
-            raise WireError(f"{where}: {reprlib.repr(v)} is not one of {[m.value for m in hint]}")
-        return hint(v)
-    if hasattr(hint, "__dataclass_fields__"):
-        return _from_json(hint, v, where)
-    raise TypeError(f"{where}: unsupported field type {hint!r}")  # a bug in this module
+    the bytes (fields.py: untrusted.py bounds size and nesting before json parses them)."""
+    return _CODEC.decode(raw)

@@ -49,11 +49,11 @@ def _next_memfd_inode() -> int:
 
 
 def memfd_tensor_and_colliding_file(nbytes: int) -> tuple[Any, int, str]:
-    """A KV-like shared tensor (sglang_disagg.shm.shared_zeros, a memfd) and an open /dev/shm
+    """A KV-like shared tensor (sglang_disagg.ipc.shm.shared_zeros, a memfd) and an open /dev/shm
     file of at least its size whose inode number is the memfd's. Returns (tensor, file fd, path)."""
     import torch
 
-    from sglang_disagg import shm
+    from sglang_disagg.ipc import shm
 
     # A descriptor slot below the memfd's, for the colliding file: a lookup that scans the
     # process's descriptors in order meets the file first, as in the CI run (fd 56 < 61).

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from sglang_disagg.backends import BackendConfig, TransferError, create_backend
-from sglang_disagg import shm
+from sglang_disagg.ipc import shm
 from sglang_disagg.backends import auth, control, frames
 from sglang_disagg.backends.regions import PeerState
 

@@ -17,7 +17,7 @@ import types
 import pytest
 import torch
 
-from sglang_disagg import shm
+from sglang_disagg.ipc import shm
 from sglang_disagg.backends import BackendConfig, create_backend
 from sglang_disagg.backends import mooncake as mooncake_mod
 from sglang_disagg.backends import nixl_memory

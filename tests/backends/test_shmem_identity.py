@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from inode_collision import memfd_tensor_and_colliding_file
-from sglang_disagg import shm
+from sglang_disagg.ipc import shm
 from sglang_disagg.backends import BackendConfig, create_backend
 
 NBYTES = 1 << 20

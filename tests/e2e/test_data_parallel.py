@@ -2,7 +2,7 @@
 
 Each DP group of a server runs its own scheduler, KV pool and requests; group 0's leader
 owns the server's one transfer backend and port, the other groups reach it over a Unix
-socket (messenger/dpowner.py, dpproxy.py). Checked against colocated servers (greedy,
+socket (messenger/dp/owner.py, dp/proxy.py). Checked against colocated servers (greedy,
 float32):
 - attention DP (tiny-deepseek-v3, --tp 2 with 2 attention-DP groups of one rank) on the
   decoder, on the prefill server, and on both: the float64 reference's tokens, sequential and

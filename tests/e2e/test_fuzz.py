@@ -102,7 +102,7 @@ def _hello_for(stack, backend, pages: int) -> tuple[wire.Hello, list]:
     """A decoder's Hello as the real one would say it, with `pages` pages per region."""
     import torch
 
-    from sglang_disagg import shm
+    from sglang_disagg.ipc import shm
 
     path = ensure_model(stack.cfg.model)
     c = json.loads((path / "config.json").read_text())

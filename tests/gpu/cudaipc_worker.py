@@ -18,7 +18,7 @@ from fault_worker import FaultWorker  # noqa: E402 - also puts benchmarks/ (json
 from jsonl_worker import serve  # noqa: E402
 from transfer_worker import pattern  # noqa: E402
 
-from sglang_disagg import cumem  # noqa: E402
+from sglang_disagg.ipc import cumem  # noqa: E402
 from sglang_disagg.backends.regions import cuda  # noqa: E402
 
 

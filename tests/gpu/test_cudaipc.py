@@ -123,7 +123,7 @@ def test_it_refuses_host_memory_naming_shmem_and_foreign_cuda_memory():
 def test_the_descriptor_socket_answers_connected_peers_only():
     import torch
 
-    from sglang_disagg import cumem, fdpass
+    from sglang_disagg.ipc import cumem, fdpass
     from sglang_disagg.backends import create_backend
     from sglang_disagg.backends.regions import cuda
 

@@ -13,8 +13,8 @@ import multiprocessing as mp
 
 import torch
 
-from sglang_disagg import cuda_driver as cu
-from sglang_disagg import cumem, handover
+from sglang_disagg.ipc import cuda_driver as cu
+from sglang_disagg.ipc import cumem, handover
 
 SHAPE = (2, 64, 4096)  # K and V, 512 KiB of bf16 each: several allocation granules on most GPUs
 HALF = SHAPE[1] * SHAPE[2] * 2

@@ -85,7 +85,7 @@ def is_control(address: str) -> bool:
 def canary(backend: str, provider: str, own: str, where: str) -> None:
     import torch
 
-    from sglang_disagg import shm
+    from sglang_disagg.ipc import shm
     from sglang_disagg.backends import BackendConfig, create_backend
 
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # it may be killed on purpose (UCX): no core file

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from sglang_disagg import shm
+from sglang_disagg.ipc import shm
 from sglang_disagg.backends import BackendConfig, TransferError, create_backend
 
 NBYTES, PAGE = 1 << 16, 4096

@@ -1,4 +1,4 @@
-"""attention_native.py (torch_native's HND reads and new-rows extend) against plain references.
+"""cpu/attention.py (torch_native's HND reads and new-rows extend) against plain references.
 
 The HND gather must give exactly what the NHD row gather gives on the same KV (pure
 indexing: bit-identical); the new-rows extend must give what upstream's redundant causal
@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
-from sglang_disagg import attention_native as an
+from sglang_disagg.cpu import attention as an
 
 PAGE, HEADS, DIM, PAGES = 4, 3, 5, 8
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_disagg import cpu_ops
+from sglang_disagg.cpu import ops as cpu_ops
 
 
 def test_assign_req_to_token_pool():
@@ -30,7 +30,7 @@ def test_copy_all_layer_kv_cache():
 
 
 def test_unavailable_op_fails_when_called_not_when_imported():
-    from sglang_disagg.cpu_ops import rotate_input_ids_cpu  # import must work (SGLang imports it at load)
+    from sglang_disagg.cpu.ops import rotate_input_ids_cpu  # import must work (SGLang imports it at load)
 
     with pytest.raises(NotImplementedError, match="rotate_input_ids_cpu"):
         rotate_input_ids_cpu()

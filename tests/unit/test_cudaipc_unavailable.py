@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from sglang_disagg import backends
-from sglang_disagg import cuda_driver as cu
+from sglang_disagg.ipc import cuda_driver as cu
 from sglang_disagg.backends import BackendUnavailable
 
 

@@ -17,8 +17,8 @@ import os
 import pytest
 import torch
 
-from sglang_disagg import cuda_driver as cu
-from sglang_disagg import cumem
+from sglang_disagg.ipc import cuda_driver as cu
+from sglang_disagg.ipc import cumem
 
 
 def test_driver_structs_have_the_cuda_12_layout():

@@ -1,5 +1,5 @@
 """A DP group's messenger reaches the server's one transfer backend through the owner
-(dpowner.Owner, in group 0's leader) over its Unix socket (dpproxy.ProxyBackend).
+(dp.owner.Owner, in group 0's leader) over its Unix socket (dp.proxy.ProxyBackend).
 
 Real backends on both ends (shmem and libfabric tcp): a "decoder" whose group 1 registers
 its shared-memory pool through the owner, connects to a "prefill" backend, exchanges control
@@ -18,12 +18,14 @@ import time
 import pytest
 import torch
 
-from sglang_disagg import shm
+from sglang_disagg.ipc import shm
 from sglang_disagg.backends import BackendConfig, PeerLostError, PeerState, TransferError, create_backend
-from sglang_disagg.messenger import groupwire as gw, wire
+from sglang_disagg.ipc import fdpass
+from sglang_disagg.messenger import wire
 from sglang_disagg.messenger.config import MessengerRole
-from sglang_disagg.messenger.dpowner import Owner
-from sglang_disagg.messenger.dpproxy import ProxyBackend
+from sglang_disagg.messenger.dp import wire as gw
+from sglang_disagg.messenger.dp.owner import Owner
+from sglang_disagg.messenger.dp.proxy import ProxyBackend
 
 SECRET = secrets.token_bytes(32)
 BACKENDS = [("shmem", None), ("libfabric", "tcp")]
@@ -33,7 +35,7 @@ def _backend(name, provider):
     return create_backend(name, BackendConfig(provider=provider, host="127.0.0.1", port=0, secret=SECRET))
 
 
-def _path() -> str:
+def _name() -> str:
     return gw.socket_name(f"test-{os.getpid()}-{secrets.token_hex(4)}")
 
 
@@ -50,7 +52,7 @@ def _recv(backend, timeout=5.0):
 @pytest.mark.parametrize("name,provider", BACKENDS, ids=[b[0] for b in BACKENDS])
 def test_a_group_moves_kv_and_messages_through_the_owner(name, provider):
     owner_backend, prefill = _backend(name, provider), _backend(name, provider)
-    path = _path()
+    path = _name()
     got = []
     owner = Owner(owner_backend, path, MessengerRole.DECODE, groups=2, local=lambda p, m: got.append(m))
     group = ProxyBackend(path, 1, deadline_s=5.0)
@@ -113,7 +115,7 @@ def test_a_group_moves_kv_and_messages_through_the_owner(name, provider):
 
 def test_the_owner_gone_fails_the_group_at_once():
     owner_backend, prefill = _backend("shmem", None), _backend("shmem", None)
-    path = _path()
+    path = _name()
     owner = Owner(owner_backend, path, MessengerRole.DECODE, groups=2)
     group = ProxyBackend(path, 1, deadline_s=5.0)
     try:
@@ -144,20 +146,21 @@ def test_an_owner_gone_mid_step_fails_the_group_instead_of_killing_its_scheduler
     import threading
     import types
 
+    from sglang_disagg.messenger.dp.groups import Groups, MemberGroup
     from sglang_disagg.messenger.node import Node
 
-    def node_of(backend) -> types.SimpleNamespace:
-        node = types.SimpleNamespace(backend=backend, _owner_lost_at=0.0, group=1, wakeup=threading.Event())
+    def node_of(dp) -> types.SimpleNamespace:
+        node = types.SimpleNamespace(dp=dp, _owner_lost_at=0.0, group=1, wakeup=threading.Event())
         node.owner_gone = types.MethodType(Node.owner_gone, node)
         node.stop_if_owner_gone = types.MethodType(Node.stop_if_owner_gone, node)
         return node
 
     owner_backend = _backend("shmem", None)
-    path = _path()
+    path = _name()
     owner = Owner(owner_backend, path, MessengerRole.DECODE, groups=2)
     group = ProxyBackend(path, 1, deadline_s=5.0)
     try:
-        node, failed = node_of(group), []
+        node, failed = node_of(MemberGroup(group)), []
         assert group.is_retired(5) is False
         owner.close()
         t0 = time.monotonic()
@@ -166,7 +169,7 @@ def test_an_owner_gone_mid_step_fails_the_group_instead_of_killing_its_scheduler
             pytest.fail("a call to an owner that is gone returned")
         assert time.monotonic() - t0 < 2.0
         assert len(failed) == 1 and failed[0].startswith("this server's messenger is gone (") and "owner" in failed[0]
-        alive = node_of(types.SimpleNamespace())  # no proxy: the error is some peer's, not the owner's
+        alive = node_of(Groups(None))  # no proxy: the error is some peer's, not the owner's
         with pytest.raises(PeerLostError, match="a prefill server"):
             with Node.owner_may_go(alive, failed.append):
                 raise PeerLostError("a prefill server was lost")
@@ -178,7 +181,7 @@ def test_an_owner_gone_mid_step_fails_the_group_instead_of_killing_its_scheduler
 
 def test_a_group_with_no_owner_says_so():
     with pytest.raises(TransferError, match="no messenger owner"):
-        ProxyBackend(_path(), 1, deadline_s=0.2)
+        ProxyBackend(_name(), 1, deadline_s=0.2)
 
 
 class _Peer:
@@ -199,7 +202,7 @@ class _Recording:
 def test_prefill_dispatch_spreads_orders_and_follows_cancels():
     backend = _backend("shmem", None)
     local = []
-    owner = Owner(backend, _path(), MessengerRole.PREFILL, groups=3, local=lambda p, m: local.append(m))
+    owner = Owner(backend, _name(), MessengerRole.PREFILL, groups=3, local=lambda p, m: local.append(m))
     groups = {1: _Recording(), 2: _Recording()}
     owner._conns.update(groups)
     try:
@@ -236,19 +239,19 @@ def test_prefill_dispatch_spreads_orders_and_follows_cancels():
 
 
 def test_group_wire_checks_version_and_fields():
-    raw = gw.encode(gw.Call(3, gw.Op.STATS.value, {}))[4:]
-    assert gw.decode(raw) == gw.Call(3, "stats", {})
+    raw = gw.encode(gw.Stats(3))
+    assert gw.decode(raw) == gw.Stats(3)
     with pytest.raises(gw.GroupWireError, match="version"):
-        gw.decode(raw.replace(b'"v":1', b'"v":9'))
+        gw.decode(raw.replace(b'"v":2', b'"v":9'))
     with pytest.raises(gw.GroupWireError, match="fields"):
-        gw.decode(raw.replace(b'"args"', b'"argz"'))
+        gw.decode(raw.replace(b'"id"', b'"ix"'))
 
 
 def test_a_group_joining_late_hears_the_hellos_before_any_order():
     """A prefill server's group 1 still loading when a decoder said Hello: it hears that
     Hello when it joins, before the owner gives it an order (orders go to joined groups)."""
     backend = _backend("shmem", None)
-    path = _path()
+    path = _name()
     local = []
     owner = Owner(backend, path, MessengerRole.PREFILL, groups=2, local=lambda p, m: local.append(m))
     decoder = _Peer("dec")
@@ -278,13 +281,12 @@ def test_only_the_servers_own_user_may_join(monkeypatch):
     uid as the owner sees it, the check being one comparison)."""
     import socket
 
-    from sglang_disagg.messenger import dpowner
-
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        assert dpowner.admitted(a) == ""
-        monkeypatch.setattr(dpowner.os, "getuid", lambda: os.geteuid() + 1)
-        assert f"runs as uid {os.geteuid()}" in dpowner.admitted(a)
+        conn = fdpass.Conn(a)
+        assert conn.other_user() == ""
+        monkeypatch.setattr(fdpass.os, "getuid", lambda: os.geteuid() + 1)
+        assert f"runs as uid {os.geteuid()}" in conn.other_user()
     finally:
         a.close()
         b.close()

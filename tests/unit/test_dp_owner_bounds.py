@@ -1,4 +1,4 @@
-"""What one DP group, or another local user, can do to a server's owner (dpowner.py): the
+"""What one DP group, or another local user, can do to a server's owner (dp/owner.py): the
 owner's socket named after the deployment's secret, a taken name stopping the owner, a
 group refusing a listener of another user, and a stopped group dropped within
 SEND_TIMEOUT_S with the rest of the server going on (real backends, a real ProxyBackend in
@@ -25,11 +25,13 @@ from pathlib import Path
 import pytest
 
 from sglang_disagg.backends import BackendConfig, TransferError, create_backend
-from sglang_disagg.messenger import groupwire as gw, wire
+from sglang_disagg.ipc import stream
+from sglang_disagg.messenger import wire
 from sglang_disagg.messenger.config import MessengerRole
-from sglang_disagg.messenger.dpgroup import Place
-from sglang_disagg.messenger.dpowner import SEND_TIMEOUT_S, Owner
-from sglang_disagg.messenger.dpproxy import ProxyBackend
+from sglang_disagg.messenger.dp import wire as gw
+from sglang_disagg.messenger.dp.owner import SEND_TIMEOUT_S, Owner
+from sglang_disagg.messenger.dp.place import Place
+from sglang_disagg.messenger.dp.proxy import ProxyBackend
 
 from .test_dp_owner import _recv  # the same wait for a message
 
@@ -40,8 +42,8 @@ NOBODY = 65534
 # A group's leader in a process of its own: it joins, says so, and reports its owner gone.
 GROUP = r"""
 import sys, time
-from sglang_disagg.messenger.dpproxy import ProxyBackend
-group = ProxyBackend("\0" + sys.argv[1], int(sys.argv[2]), deadline_s=20.0)
+from sglang_disagg.messenger.dp.proxy import ProxyBackend
+group = ProxyBackend(sys.argv[1], int(sys.argv[2]), deadline_s=20.0)
 print("joined", flush=True)
 while not group.gone:
     time.sleep(0.05)
@@ -53,7 +55,7 @@ def _backend(name, provider):
     return create_backend(name, BackendConfig(provider=provider, host="127.0.0.1", port=0, secret=SECRET))
 
 
-def _path() -> str:
+def _name() -> str:
     return gw.socket_name(f"test-{os.getpid()}-{secrets.token_hex(4)}", SECRET)
 
 
@@ -89,10 +91,10 @@ def test_a_stopped_group_is_dropped_within_the_send_timeout_and_the_server_goes_
                                                                                     record_property):
     caplog.set_level(logging.INFO, logger="sglang_disagg.messenger")
     owner_backend, decoder = _backend(name, provider), _backend(name, provider)
-    path = _path()
+    path = _name()
     local = []
     owner = Owner(owner_backend, path, MessengerRole.PREFILL, groups=3, local=lambda p, m: local.append(m))
-    stopped = subprocess.Popen([sys.executable, "-c", GROUP, path[1:], "1"], cwd=ROOT, stdout=subprocess.PIPE)
+    stopped = subprocess.Popen([sys.executable, "-c", GROUP, path, "1"], cwd=ROOT, stdout=subprocess.PIPE)
     live = None
     try:
         assert _line(stopped, 60.0) == "joined\n"
@@ -175,8 +177,8 @@ def test_the_owner_socket_is_named_after_the_secret():
     assert name == gw.socket_name("prefill-30000", a)
     assert name != gw.socket_name("prefill-30000", b) and name != gw.socket_name("decode-30000", a)
     assert name != gw.socket_name("prefill-30001", a)
-    assert name.startswith("\0sglang-disagg-dp/") and "30000" not in name and "prefill" not in name
-    assert gw.socket_name("prefill-30000") == "\0sglang-disagg-dp/prefill-30000"  # no secret: as before
+    assert name.startswith("sglang-disagg-dp/") and "30000" not in name and "prefill" not in name
+    assert gw.socket_name("prefill-30000") == "sglang-disagg-dp/prefill-30000"  # no secret: as before
     # Every group of the server derives it from the secret its node required.
     place = Place(1, 2, 0, 1, None, "prefill-30000")
     assert place.owner_socket(a) == name
@@ -184,9 +186,9 @@ def test_the_owner_socket_is_named_after_the_secret():
 
 def test_a_taken_name_stops_the_owner():
     backend = _backend("shmem", None)
-    path = _path()
+    path = _name()
     squatter = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    squatter.bind(path)
+    squatter.bind("\0" + path)
     squatter.listen(1)
     try:
         t = time.monotonic()
@@ -243,11 +245,11 @@ class Nobody:
 def test_a_group_refuses_a_listener_of_another_user():
     """Another user bound the owner's name first (here uid nobody, in a forked child): the
     group refuses it on its credentials, naming its uid, and sends it nothing."""
-    path = _path()
+    path = _name()
 
     def squat(ready) -> str:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.bind(path)
+        s.bind("\0" + path)
         s.listen(1)
         ready()
         s.settimeout(20.0)
@@ -260,7 +262,7 @@ def test_a_group_refuses_a_listener_of_another_user():
 
     with Nobody(squat) as squatter:
         assert squatter.ready()
-        with pytest.raises(TransferError, match=f"runs as uid {NOBODY}, this server as uid {os.getuid()}"):
+        with pytest.raises(TransferError, match=f"runs as uid {NOBODY}, this one as uid {os.getuid()}"):
             ProxyBackend(path, 1, deadline_s=5.0)
         assert squatter.report(20.0) == f"{NOBODY} 0"  # the listener got 0 bytes
 
@@ -280,11 +282,11 @@ def test_a_reader_taking_a_little_at_a_time_cannot_stretch_a_send():
     chan = gw.Channel(a, 0.3)
     try:
         t = time.monotonic()
-        with pytest.raises(gw.SendTimeout, match="took"):
-            chan.send(gw.Delivery(1, "i", "h:1", "x" * (2 << 20)))
+        with pytest.raises(stream.SendTimeout, match="took"):
+            chan.send(gw.Delivery(1, "i", "h:1", b"x" * (2 << 20)))
         assert 0.25 <= time.monotonic() - t < 2.0  # 0.3 s deadline; room for a loaded machine
         t = time.monotonic()
-        with pytest.raises(gw.SendTimeout, match="earlier"):
+        with pytest.raises(stream.SendTimeout, match="earlier"):
             chan.send(gw.Done(1))
         assert time.monotonic() - t < 0.5  # no syscall: fails at once
         assert a.gettimeout() is None  # blocking reads
@@ -302,7 +304,7 @@ def test_the_owner_refuses_another_user_at_accept_and_goes_on_serving(caplog):
     user joins afterwards and is served."""
     caplog.set_level(logging.WARNING, logger="sglang_disagg.messenger")
     backend = _backend("shmem", None)
-    path = _path()
+    path = _name()
     owner = Owner(backend, path, MessengerRole.DECODE, groups=2)
 
     def connect_50_times(ready) -> str:
@@ -310,7 +312,7 @@ def test_the_owner_refuses_another_user_at_accept_and_goes_on_serving(caplog):
         for _ in range(50):
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             s.settimeout(10.0)
-            s.connect(path)
+            s.connect("\0" + path)
             with contextlib.suppress(OSError):  # the owner may have closed it already
                 s.sendall(gw.encode(gw.Join(1)))
             with contextlib.suppress(ConnectionResetError):

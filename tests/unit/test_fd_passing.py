@@ -20,7 +20,7 @@ import textwrap
 
 import pytest
 
-from sglang_disagg import cumem, fdpass, handover
+from sglang_disagg.ipc import cumem, fdpass, handover
 
 PAGE = 4096
 
@@ -42,7 +42,7 @@ def _finish(p: subprocess.Popen) -> str:
 
 SENDER = """
     import os, sys
-    from sglang_disagg import fdpass
+    from sglang_disagg.ipc import fdpass
     fd = os.memfd_create("fdpass-test")
     os.ftruncate(fd, 4 * 4096)
     os.pwrite(fd, b"written at an offset", 2 * 4096 + 100)
@@ -72,7 +72,7 @@ def test_a_descriptor_sent_by_another_process_maps_the_same_memory():
 
 RANK = """
     import json, mmap, os, sys
-    from sglang_disagg import cumem, handover
+    from sglang_disagg.ipc import cumem, handover
 
     class Memfd:  # what the table needs of an allocation: its descriptor
         def __init__(self, size, byte):

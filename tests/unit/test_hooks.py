@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_disagg import cpu_ops, shm, spec_ops
+from sglang_disagg.cpu import ops as cpu_ops
+from sglang_disagg.cpu import spec_ops
+from sglang_disagg.ipc import shm
 from sglang_disagg.env import SUBPROCESS_START_ENV
 from sglang_disagg.hooks import cpu_op, kv_zeros, nixl_agent_for_device, subprocess_start_method
 from sglang_disagg.launch import Role

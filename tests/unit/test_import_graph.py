@@ -140,3 +140,42 @@ def test_the_harness_is_not_shipped():
     assert (ROOT / "harness" / "hosts" / "netns.py").is_file()
     for package in ("harness", "harness.hosts"):
         assert not any(fnmatch.fnmatch(package, pattern) for pattern in find.get("include", ["*"]))
+
+
+def _room(graph: dict[str, set[str]], room: str) -> dict[str, set[str]]:
+    return {m: edges for m, edges in graph.items() if m == room or m.startswith(room + ".")}
+
+
+def test_the_ipc_layer_imports_nothing_above_it():
+    """sglang_disagg.ipc (shared memory, fd passing, cuMem, the framed stream) is the bottom
+    room: the backends, the messenger and DP build on it, never the other way round."""
+    graph = import_graph()
+    ipc = _room(graph, f"{PACKAGE}.ipc")
+    assert len(ipc) >= 6, sorted(ipc)
+    above = {m: sorted(t for t in edges if not t.startswith(f"{PACKAGE}.ipc")) for m, edges in ipc.items()}
+    assert not {m: t for m, t in above.items() if t}, above
+
+
+def test_data_parallelism_lives_in_its_room_on_the_ipc_layer():
+    """messenger/dp holds data parallelism: the rest of the messenger reaches it only through
+    node.py (its groups and place), the checks only through dp.support (hooks, the launcher);
+    its sockets, credential checks and framing come from sglang_disagg.ipc: no module of the
+    room opens a socket or reads SO_PEERCRED itself."""
+    graph = import_graph()
+    dp = f"{PACKAGE}.messenger.dp"
+    into = {m: sorted(t for t in edges if t.startswith(dp)) for m, edges in graph.items() if not m.startswith(dp)}
+    into = {m: t for m, t in into.items() if t}
+    allowed = {f"{PACKAGE}.messenger.node": {f"{dp}.groups", f"{dp}.place"},
+               f"{PACKAGE}.hooks": {f"{dp}.support"}, f"{PACKAGE}.launch.config": {f"{dp}.support"}}
+    assert {m: t for m, t in into.items() if not set(t) <= allowed.get(m, set())} == {}
+    room = _room(graph, dp)
+    assert f"{PACKAGE}.ipc.fdpass" in room[f"{dp}.owner"] and f"{PACKAGE}.ipc.fdpass" in room[f"{dp}.proxy"]
+    assert f"{PACKAGE}.ipc.stream" in room[f"{dp}.wire"]
+    mods = _modules()
+    for name in room:
+        tree = ast.parse(mods[name][0].read_text())
+        raw = [n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr in
+               ("SO_PEERCRED", "socketpair", "recv_fds", "send_fds", "AF_UNIX")]
+        calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                 and n.func.attr == "socket" and isinstance(n.func.value, ast.Name) and n.func.value.id == "socket"]
+        assert not raw and not calls, f"{name} does its own socket work: {raw or 'socket.socket()'}"

@@ -14,7 +14,7 @@ from sglang_disagg.backends import PeerState
 from sglang_disagg.backends.regions import RegionDescriptor
 from sglang_disagg.messenger import wire
 from sglang_disagg.messenger.decoderlinks import PARKED, DecoderLinks
-from sglang_disagg.messenger.inputs import CancelTicket, DecoderJoined, DecoderLeft, OrderTicket
+from sglang_disagg.messenger.inputs import CancelTicket, DecoderJoined, DecoderKey, DecoderLeft, OrderTicket
 from sglang_disagg.messenger.intake import MAX_DECODERS, Intake
 from sglang_disagg.messenger.orders import DecoderLink
 from sglang_disagg.messenger.planner import Kind, KVGeometry
@@ -29,7 +29,8 @@ class FakePeer:
 
 
 def intake_with(key: str = "d1", capacity: int = 64) -> tuple[Intake, FakePeer]:
-    node = types.SimpleNamespace(page_size=16, wakeup=threading.Event(), group=0, order_done=lambda *a: None)
+    node = types.SimpleNamespace(page_size=16, wakeup=threading.Event(), group=0,
+                                 dp=types.SimpleNamespace(order_done=lambda *a: None))
     intake = Intake(node, tp=1, vocab=4096)
     peer = FakePeer(key)
     intake.peers[key], intake._keys[peer] = peer, key  # as its Hello left them
@@ -88,6 +89,8 @@ def test_a_lost_decoder_gets_one_cancel_per_open_or_queued_order_once():
 
 
 # Bounded tables: Hellos through the real intake ------------------------------------------
+D1 = DecoderKey("d1", 0)  # the key of decoder "d1"'s group 0
+
 GEOMETRY = KVGeometry(num_layers=1, kv_heads=1, head_dim=8, v_head_dim=8, page_size=16, dtype_bytes=4)
 KV = wire.KVSpec(model="m", fingerprint="f", num_layers=1, kv_heads=1, head_dim=8, v_head_dim=8, page_size=16,
                  dtype="float32", layout="hnd", tp=1)
@@ -100,7 +103,7 @@ def hello(group: int = 0) -> wire.Hello:
 
 
 def real_intake() -> Intake:
-    node = types.SimpleNamespace(page_size=16, wakeup=threading.Event(), group=0, order_done=lambda *a: None,
+    node = types.SimpleNamespace(page_size=16, wakeup=threading.Event(), group=0, dp=types.SimpleNamespace(order_done=lambda *a: None),
                                  spec=KV, view=types.SimpleNamespace(geometry=GEOMETRY), name="p", endpoints=[])
     return Intake(node, tp=1, vocab=4096)
 
@@ -185,17 +188,17 @@ def test_hellos_on_one_connection_keep_one_key(caplog):
     intake.on_message(peer, hello(group=0))
     intake.on_message(peer, order(tag=3))
     sched.step()
-    assert sched.open == {"d1/0": {3}}
+    assert sched.open == {D1: {3}}
     for g in range(1, 10_001):
         intake.on_message(peer, hello(group=g))
         if g % 1000 == 0:
             sched.step()
-    assert list(intake.peers) == ["d1/10000"] and intake._keys == {peer: "d1/10000"}
-    assert list(intake._capacity) == ["d1/10000"]
+    assert list(intake.peers) == [DecoderKey("d1", 10000)] and intake._keys == {peer: DecoderKey("d1", 10000)}
+    assert list(intake._capacity) == [DecoderKey("d1", 10000)]
     sched.step()
     assert sched.open == {} and intake._replaced == []  # the first key's order was cancelled
     intake.on_message(peer, order(tag=4))
-    assert [i.key for i in sched.step()] == ["d1/10000"]
+    assert [i.key for i in sched.step()] == [DecoderKey("d1", 10000)]
     assert all(isinstance(m, wire.Welcome) for m in peer.sent)
 
 
@@ -231,23 +234,23 @@ def test_a_decoder_that_says_hello_again_keeps_its_data_connection():
     intake.on_message(peer, hello())
     intake.on_message(peer, order(tag=3))
     sched.step()
-    data = sched.links["d1/0"].peers[0]
+    data = sched.links[D1].peers[0]
     peer.state = PeerState.LOST  # the control connection only (ss -K): the decoder lives
     sched.step()
-    assert sched.links.get("d1/0") is None and sched.links.sizes()["parked"] == 1 and not data.closed
+    assert sched.links.get(D1) is None and sched.links.sizes()["parked"] == 1 and not data.closed
     again = FakePeer("d1")
     intake.on_message(again, hello())
     sched.step()
-    assert sched.links["d1/0"].peers[0] is data and not data.closed
+    assert sched.links[D1].peers[0] is data and not data.closed
     assert sched.links.sizes() == {"links": 1, "leaving": 0, "parked": 0}
 
 
 def test_a_link_whose_order_is_still_here_is_dropped_when_that_order_ends():
     links, data = DecoderLinks(), DataPeer()
-    links.join("d1/0", DecoderLink(hello(), plan=None, peers={0: data}))
-    links.leave("d1/0", busy=True)  # a cancelled order still in the forward reads its link
-    assert links.get("d1/0") is not None and links.sizes()["leaving"] == 1
-    links.settled("d1/0", busy=False)
+    links.join(D1, DecoderLink(hello(), plan=None, peers={0: data}))
+    links.leave(D1, busy=True)  # a cancelled order still in the forward reads its link
+    assert links.get(D1) is not None and links.sizes()["leaving"] == 1
+    links.settled(D1, busy=False)
     assert links.sizes() == {"links": 0, "leaving": 0, "parked": 1}
     links.close()
     assert data.closed and links.sizes()["parked"] == 0

@@ -20,7 +20,7 @@ from sglang_disagg.launch.parallel import Parallel
 from sglang_disagg.launch.render import kubernetes, launcher_argv, slurm
 from sglang_disagg.launch.render_ome import ome
 from sglang_disagg.launch.validate_manifests import problems
-from sglang_disagg.messenger.dataparallel import NOT_ON_DEVICE
+from sglang_disagg.messenger.dp.support import NOT_ON_DEVICE
 
 EXAMPLE = Path(__file__).parents[2] / "launch" / "deployment.example.toml"
 SMOL = {"num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576, "head_dim": 64,

@@ -12,7 +12,7 @@ import types
 import pytest
 
 from sglang_disagg.backends import PeerState
-from sglang_disagg.messenger import decode, wire
+from sglang_disagg.messenger import decode_endings, wire
 from sglang_disagg.messenger.links import FAIL_STRIKES, Link, Links, LinkState
 from sglang_disagg.messenger.metrics import Cause
 
@@ -103,7 +103,7 @@ def test_a_failing_link_is_connected_again_then_on_probation(linked):
 
 
 def test_only_the_servers_failures_count_against_its_link():
-    assert set(decode.LINK_FAULTS) == {Cause.PREFILL, Cause.TRANSFER}  # not INTAKE (the order's), not ABORTED
+    assert set(decode_endings.LINK_FAULTS) == {Cause.PREFILL, Cause.TRANSFER}  # not INTAKE (the order's), not ABORTED
 
 
 def test_an_unknown_link_or_a_link_not_ready_is_left_alone():

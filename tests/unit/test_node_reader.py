@@ -142,11 +142,12 @@ def test_the_log_is_rate_bounded_and_counts_what_it_held_back(caplog):
 
 def test_node_start_reader_runs_this_reader_and_hands_messages_to_the_handler():
     """Node.start_reader's wiring, on a Node holding only what its reader uses."""
+    from sglang_disagg.messenger.dp.groups import Groups
     from sglang_disagg.messenger.node import Node
 
     server, client = _backend(), _backend()
     node = Node.__new__(Node)
-    node.owner, node.backend, node.name, node._stop = None, server, "test-prefill", threading.Event()
+    node.dp, node.backend, node.name, node._stop = Groups(server), server, "test-prefill", threading.Event()
     got: queue.Queue = queue.Queue()
     node.start_reader(lambda peer, msg: got.put(msg))
     try:

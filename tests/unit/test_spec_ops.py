@@ -1,14 +1,14 @@
-"""The native torch versions of speculative decoding's CPU index ops (spec_ops), on the
+"""The native torch versions of speculative decoding's CPU index ops (cpu/spec_ops), on the
 one-step, top-k 1 chain the CPU path runs, with expectations written out by hand."""
 
 from __future__ import annotations
 
 import torch
 
-from sglang_disagg import cpu_ops
-from sglang_disagg.spec_ops import (assign_draft_cache_locs_contiguous_cpu, assign_extend_cache_locs_cpu,
-                                    build_tree_kernel_efficient_cpu, fill_accept_out_cache_loc_cpu,
-                                    fill_bonus_tokens_cpu, verify_tree_greedy_cpu)
+from sglang_disagg.cpu import ops as cpu_ops
+from sglang_disagg.cpu.spec_ops import (assign_draft_cache_locs_contiguous_cpu, assign_extend_cache_locs_cpu,
+                                        build_tree_kernel_efficient_cpu, fill_accept_out_cache_loc_cpu,
+                                        fill_bonus_tokens_cpu, verify_tree_greedy_cpu)
 
 
 def test_cpu_ops_hands_out_the_spec_ops():

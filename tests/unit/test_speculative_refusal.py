@@ -119,7 +119,7 @@ def test_the_draft_pool_is_planned_after_the_target_and_compared_at_first_contac
 @pytest.mark.parametrize("extra", [["--attn-dp-size", "2"], ["--attn-dp-size=2"], ["--dp-size", "2"],
                                    ["--data-parallel-size=4"], ["--enable-dp-attention", "--dp-size", "2"]])
 def test_sglangs_own_data_parallel_flags_are_refused_in_messenger_mode_naming_the_launchers(extra):
-    from sglang_disagg.messenger.dataparallel import UnsupportedParallelism
+    from sglang_disagg.messenger.dp.support import UnsupportedParallelism
 
     for role in (["--role", "all"], ["--role", "prefill"]):
         with pytest.raises(UnsupportedParallelism, match=r"set by the launcher's --prefill(-attn)?-dp/--decode(-attn)?"
@@ -131,7 +131,7 @@ def test_sglangs_own_data_parallel_flags_are_refused_in_messenger_mode_naming_th
 
 
 def test_the_refusal_names_the_launcher_flag_for_the_shape_asked_for():
-    from sglang_disagg.messenger.dataparallel import UnsupportedParallelism, check_argv as check_dp_argv
+    from sglang_disagg.messenger.dp.support import UnsupportedParallelism, check_argv as check_dp_argv
 
     with pytest.raises(UnsupportedParallelism, match=r"^--dp-size 3: .* launcher's --prefill-dp/--decode-dp \(replica"):
         check_dp_argv(["--dp-size", "3"])
@@ -144,7 +144,7 @@ def test_the_refusal_names_the_launcher_flag_for_the_shape_asked_for():
 def test_a_messenger_server_accepts_one_shape_of_data_parallelism_on_cpu_only():
     import re
 
-    from sglang_disagg.messenger.dataparallel import NOT_ON_DEVICE, UnsupportedParallelism, check_server_args
+    from sglang_disagg.messenger.dp.support import NOT_ON_DEVICE, UnsupportedParallelism, check_server_args
 
     check_server_args(SimpleNamespace(dp_size=1, attn_dp_size=2, device="cpu"))
     check_server_args(SimpleNamespace(dp_size=2, attn_dp_size=1, device="cpu"))

@@ -1,7 +1,7 @@
 """Every transfer backend, and the DP group's stand-in for one, keeps messenger/transport.py's contract.
 
 For every registered backend class (imported through the registry; none needs a GPU or its
-library to import) and for dpproxy.ProxyBackend: each member of the `Transport` Protocol exists,
+library to import) and for dp.proxy.ProxyBackend: each member of the `Transport` Protocol exists,
 a method with the same parameter names, kinds and defaults, a property or attribute where the
 Protocol has a property; likewise `Peer` and `ProxyPeer` against `TransportPeer`. A double
 missing any one member is refused by isinstance, and a live shmem backend is a Transport.
@@ -19,7 +19,7 @@ import pytest
 from sglang_disagg.backends import BackendConfig, create_backend, get_backend, list_backends
 from sglang_disagg.backends.base import TransferBackend
 from sglang_disagg.backends.peers import Peer
-from sglang_disagg.messenger.dpproxy import ProxyBackend, ProxyPeer
+from sglang_disagg.messenger.dp.proxy import ProxyBackend, ProxyPeer
 from sglang_disagg.messenger.transport import Transport, TransportPeer
 
 BUILTIN = {"cudaipc", "libfabric", "mooncake", "nixl", "shmem"}

@@ -4,9 +4,9 @@ With data parallelism SGLang runs one scheduler per DP group (attention DP: each
 attention-TP rank 0; replica DP: each replica's TP rank 0), each with its own KV pool and
 requests, in processes of their own. Each group runs its own messenger (prefill.py /
 decode.py over its own ranks), a logical messenger; the server still has ONE backend and
-one set of ports, held here. Other groups' leaders reach it through dpproxy.ProxyBackend
-over a Unix socket (groupwire.py); their pools are shared memory, mapped and registered
-here as the TP ranks' are (node.py).
+one set of ports, held here. Other groups' leaders reach it through proxy.ProxyBackend
+over the owner's socket (ipc: fdpass's stream mode, messages of wire.py); their pools are
+shared memory, mapped and registered here as the TP ranks' are (node.py).
 
 Who gets a peer's control message (the owner's control thread reads them all, `dispatch`):
 - decode: the group that opened the connection it came on (each group keeps its own links
@@ -26,9 +26,9 @@ server) and forgotten here. Orders the group already held are NOT failed here: w
 posted may still land in the decoder's pages, so the decoder keeps them until its transfer
 deadline fails them (a Cancel for one is dropped, as to any group not connected).
 
-The socket's name comes from the deployment's secret (groupwire.socket_name): a name
+The socket's name comes from the deployment's secret (wire.socket_name): a name
 already taken stops the owner ("is taken"); a group checks the listener's user before it
-sends, the owner each connecting group's (`admitted`).
+sends, the owner each connecting group's (fdpass.Conn.other_user) at accept.
 """
 
 from __future__ import annotations
@@ -37,19 +37,18 @@ import contextlib
 import errno
 import itertools
 import logging
-import os
-import socket
 import threading
 from collections.abc import Callable
 from typing import Any
 
-from .. import shm
-from ..backends.errors import PeerLostError, TransferError
-from ..backends.regions import HOST, PeerState
-from ..ratelog import RateLog
-from ..threads import Thread as NamedThread
-from . import groupwire as gw, wire
-from .config import MessengerRole
+from ...backends.errors import PeerLostError, TransferError
+from ...backends.regions import HOST, PeerState
+from ...ipc import fdpass, shm
+from ...ratelog import RateLog
+from ...threads import Thread as NamedThread
+from .. import wire
+from ..config import MessengerRole
+from . import wire as gw
 
 logger = logging.getLogger("sglang_disagg.messenger")
 STATE_POLL_S = 0.05  # a lost peer must reach the groups within the links' 2 s promise
@@ -57,7 +56,7 @@ SEND_TIMEOUT_S = 1.8  # a group that takes no message for this long is dropped, 
 
 
 class Owner:
-    def __init__(self, backend: Any, path: str, role: MessengerRole, groups: int,
+    def __init__(self, backend: Any, name: str, role: MessengerRole, groups: int,
                  local: Callable[[Any, wire.Message], None] | None = None) -> None:
         self.backend, self.role, self.groups = backend, role, groups
         self.local = local  # group 0's own handler (set when its messenger starts its reader)
@@ -76,21 +75,19 @@ class Owner:
         self._remote_ids = itertools.count(1)
         self.outstanding = [0] * groups               # prefill: orders given to each group, not done
         self._orders: dict[tuple[str, int], int] = {}  # (decoder instance, tag) -> group
+        self._ops = self._operations()
         self._stop = threading.Event()
         self.refused = 0  # connections of another user, closed at accept
         self._log = RateLog(5.0, logger)  # another local user can connect as fast as they like
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            self._listener.bind(path)
-            self._listener.listen(groups)
-        except OSError as e:
-            self._listener.close()
-            if e.errno == errno.EADDRINUSE:
-                raise TransferError(f"the DP owner socket {gw.printable(path)} is taken: another process of this "
+            self._listener = fdpass.Listener("dp", backlog=groups, name=name, stream=True)
+        except fdpass.FdPassError as e:
+            if isinstance(e.__cause__, OSError) and e.__cause__.errno == errno.EADDRINUSE:
+                raise TransferError(f"the DP owner socket @{name} is taken: another process of this "
                                     "host listens on it (an earlier server on this port still running, or another "
                                     "user who bound the name first); the groups would reach it, not this "
                                     "server") from e
-            raise TransferError(f"cannot listen on the DP owner socket {gw.printable(path)}: {e}") from e
+            raise TransferError(f"cannot listen on the DP owner socket @{name}: {e}") from e
         self._threads = [NamedThread(target=self._accept, name="dp-owner-accept", daemon=True),
                          NamedThread(target=self._watch, name="dp-owner-watch", daemon=True)]
         for t in self._threads:
@@ -128,7 +125,7 @@ class Owner:
                     self._undeliverable(peer, msg, g, ConnectionError(f"DP group {g} is not connected"))
                 continue
             try:
-                conn.send(gw.Delivery(self._pid(peer, g), peer.id, peer.address, raw.decode()))
+                conn.send(gw.Delivery(self._pid(peer, g), peer.id, peer.address, bytes(raw)))
             except OSError as e:
                 self._drop(g, conn, e)
                 if isinstance(msg, wire.PrefillOrder):
@@ -169,17 +166,19 @@ class Owner:
     def _accept(self) -> None:
         while not self._stop.is_set():
             try:
-                sock, _ = self._listener.accept()
-            except OSError:
-                return
-            refused = admitted(sock)
+                conn = self._listener.accept(None)
+            except fdpass.FdPassError:
+                if self._stop.is_set():
+                    return
+                continue  # the peer went between accept and its credentials
+            refused = conn.other_user()
             if refused:
-                sock.close()
+                conn.close()
                 self.refused += 1
                 self._log.warn("refused", "messenger: refused a connection to the DP owner socket: %s "
                                "(%d refused so far)", refused, self.refused)
                 continue
-            NamedThread(target=self._serve, args=(gw.Channel(sock, SEND_TIMEOUT_S),), name="dp-owner-group",
+            NamedThread(target=self._serve, args=(gw.Channel(conn.sock, SEND_TIMEOUT_S),), name="dp-owner-group",
                         daemon=True).start()
 
     def _serve(self, chan: gw.Channel) -> None:
@@ -201,7 +200,7 @@ class Owner:
                 # group that takes none holds it SEND_TIMEOUT_S at most, the first failure ending it).
                 for peer, raw in self._hellos.values():
                     if peer.state is PeerState.CONNECTED:
-                        chan.send(gw.Delivery(self._pid_locked(peer, g), peer.id, peer.address, raw.decode()))
+                        chan.send(gw.Delivery(self._pid_locked(peer, g), peer.id, peer.address, bytes(raw)))
                 self._conns[g] = chan
                 self._regions.setdefault(g, [])
         except OSError as e:
@@ -212,12 +211,10 @@ class Owner:
         while not self._stop.is_set():
             try:
                 call = chan.read()
-                if isinstance(call, gw.Call):
-                    if call.op == gw.Op.CONNECT.value:  # may take seconds: the group's other calls go on
-                        NamedThread(target=self._call, args=(chan, g, call), name="dp-owner-connect",
-                                    daemon=True).start()
-                    else:
-                        self._call(chan, g, call)
+                if isinstance(call, gw.Connect):  # may take seconds: the group's other calls go on
+                    NamedThread(target=self._call, args=(chan, g, call), name="dp-owner-connect", daemon=True).start()
+                else:
+                    self._call(chan, g, call)
             except (EOFError, OSError, gw.GroupWireError) as e:
                 if self._conns.get(g) is chan:  # not when dropped (_drop said why)
                     logger.error("messenger: DP group %d left: %s", g, e)
@@ -230,20 +227,24 @@ class Owner:
                 del self._conns[g]
         chan.close()
 
-    def _call(self, chan: gw.Channel, g: int, call: gw.Call) -> None:
+    def _call(self, chan: gw.Channel, g: int, call: gw.Message) -> None:
+        op = self._ops.get(type(call))
+        if op is None:
+            raise gw.GroupWireError(f"{call.TYPE} is not a message a group sends")
         try:
-            result = getattr(self, f"_op_{call.op}")(chan, g, **call.args)
+            answer = op(chan, g, call)
         except Exception as e:  # noqa: BLE001 - the group gets the error as its backend would raise it
-            if call.id:
+            error, kind = (str(e) or type(e).__name__)[:4000], type(e).__name__
+            if hasattr(call, "id"):
                 cause = type(e.__cause__).__name__ if e.__cause__ is not None else ""
-                self._reply(chan, gw.Reply(call.id, None, str(e) or type(e).__name__, type(e).__name__, cause), g)
-            elif "future" in call.args:
-                self._reply(chan, gw.Done(call.args["future"], str(e) or type(e).__name__, type(e).__name__), g)
+                self._reply(chan, gw.Failed(call.id, error, kind, cause), g)
+            elif hasattr(call, "future"):
+                self._reply(chan, gw.Done(call.future, error, kind), g)
             else:
-                logger.warning("messenger: DP group %d: %s failed: %s", g, call.op, e)
+                logger.warning("messenger: DP group %d: %s failed: %s", g, call.TYPE, e)
             return
-        if call.id:
-            self._reply(chan, gw.Reply(call.id, result), g)
+        if answer is not None:
+            self._reply(chan, answer, g)
 
     def _reply(self, chan: gw.Channel, msg: gw.Message, g: int) -> None:
         """Send `msg` to group `g` (its own thread, the control thread, backend threads): a
@@ -255,65 +256,62 @@ class Owner:
 
     def _done(self, chan: gw.Channel, g: int, fid: int, fut: Any) -> None:  # backend thread
         err = fut.exception()
-        self._reply(chan, gw.Done(fid) if err is None else gw.Done(fid, str(err) or type(err).__name__,
+        self._reply(chan, gw.Done(fid) if err is None else gw.Done(fid, (str(err) or type(err).__name__)[:4000],
                                                                      type(err).__name__), g)
 
-    # ----- operations (named after groupwire.Op) -------------------------------------------------
-    def _op_register(self, chan, g, path, offset, inode, dev, target, length):
-        m = shm.Mapping(shm.Backing(path, offset, inode, dev, target), length)
-        self._mappings.append(m)
-        region, desc = self.backend.register(m.addr, length, HOST)
+    # ----- operations: one per message a group sends (wire.CALLS); an answer or None --------------
+    def _operations(self) -> dict[type, Callable[[gw.Channel, int, Any], gw.Message | None]]:
+        return {gw.Register: self._register, gw.Connect: self._connect, gw.Send: self._send,
+                gw.AddRemote: self._add_remote, gw.WritePages: self._write_pages, gw.Expect: self._expect,
+                gw.Retire: lambda chan, g, m: self.backend.retire(m.tag, m.reason),
+                gw.Forget: lambda chan, g, m: self.backend.forget(m.tag),
+                gw.IsRetired: lambda chan, g, m: gw.Answer(m.id, bool(self.backend.is_retired(m.tag))),
+                gw.Stats: lambda chan, g, m: gw.Counters(m.id, dict(self.backend.stats())),
+                gw.ClosePeer: self._close_peer,
+                gw.OrderDone: lambda chan, g, m: self.order_done(m.instance, m.tag)}
+
+    def _register(self, chan: gw.Channel, g: int, m: gw.Register) -> gw.Registered:
+        mapping = shm.Mapping(shm.Backing(m.path, m.offset, m.inode, m.dev, m.target), m.length)
+        self._mappings.append(mapping)
+        region, desc = self.backend.register(mapping.addr, m.length, HOST)
         with self._lock:
             self._regions[g].append(region)
-            return {"region": len(self._regions[g]) - 1, "descriptor": desc.decode()}
+            return gw.Registered(m.id, len(self._regions[g]) - 1, desc.decode())
 
-    def _op_connect(self, chan, g, address, timeout_s):
-        peer = self.backend.connect(address, timeout_s)
+    def _connect(self, chan: gw.Channel, g: int, m: gw.Connect) -> gw.Connected:
+        peer = self.backend.connect(m.address, m.timeout_s)
         self._opened_by[id(peer)] = g
-        return {"peer": self._pid(peer, g), "instance": peer.id, "address": peer.address}
+        return gw.Connected(m.id, self._pid(peer, g), peer.id, peer.address)
 
-    def _op_send(self, chan, g, peer, data):
-        self._peer(peer).send(data.encode())
+    def _send(self, chan: gw.Channel, g: int, m: gw.Send) -> None:
+        self._peer(m.peer).send(m.data)
 
-    def _op_add_remote(self, chan, g, peer, raw):
-        remote = self._peer(peer).add_remote_region(raw)
+    def _add_remote(self, chan: gw.Channel, g: int, m: gw.AddRemote) -> gw.Added:
+        remote = self._peer(m.peer).add_remote_region(m.descriptor)
         with self._lock:
             rid = next(self._remote_ids)
-            self._remotes[rid] = (peer, remote)
-        return rid
+            self._remotes[rid] = (m.peer, remote)
+        return gw.Added(m.id, rid)
 
-    def _op_write_pages(self, chan, g, future, peer, src, src_pages, src_stride, dst, dst_pages, dst_stride, length,
-                        imm, src_offset, dst_offset):
-        remote = self._remotes.get(dst)
+    def _write_pages(self, chan: gw.Channel, g: int, m: gw.WritePages) -> None:
+        remote = self._remotes.get(m.dst)
         if remote is None:
-            raise PeerLostError(f"the peer of remote region {dst} is gone")
-        fut = self.backend.write_pages(self._peer(peer), self._regions[g][src], src_pages, src_stride,
-                                       remote[1], dst_pages, dst_stride, length, imm, src_offset, dst_offset)
-        fut.add_done_callback(lambda f: self._done(chan, g, future, f))
+            raise PeerLostError(f"the peer of remote region {m.dst} is gone")
+        regions = self._regions[g]
+        if m.src >= len(regions):
+            raise TransferError(f"DP group {g} has no region {m.src}")
+        fut = self.backend.write_pages(self._peer(m.peer), regions[m.src], m.src_pages, m.src_stride, remote[1],
+                                       m.dst_pages, m.dst_stride, m.length, m.imm, m.src_offset, m.dst_offset)
+        fut.add_done_callback(lambda f: self._done(chan, g, m.future, f))
 
-    def _op_expect(self, chan, g, future, tag, count, timeout_s, peers):
-        fut = self.backend.expect(tag, count, timeout_s, None if peers is None else set(peers))
-        fut.add_done_callback(lambda f: self._done(chan, g, future, f))
+    def _expect(self, chan: gw.Channel, g: int, m: gw.Expect) -> None:
+        fut = self.backend.expect(m.tag, m.count, m.timeout_s, None if m.peers is None else set(m.peers))
+        fut.add_done_callback(lambda f: self._done(chan, g, m.future, f))
 
-    def _op_retire(self, chan, g, tag, reason):
-        self.backend.retire(tag, reason)
-
-    def _op_forget(self, chan, g, tag):
-        self.backend.forget(tag)
-
-    def _op_is_retired(self, chan, g, tag):
-        return self.backend.is_retired(tag)
-
-    def _op_stats(self, chan, g):
-        return self.backend.stats()
-
-    def _op_close_peer(self, chan, g, peer):
-        p = self._peers.get(peer)  # already forgotten: it was lost or closed
+    def _close_peer(self, chan: gw.Channel, g: int, m: gw.ClosePeer) -> None:
+        p = self._peers.get(m.peer)  # already forgotten: it was lost or closed
         if p is not None:
             p.close()
-
-    def _op_order_done(self, chan, g, instance, tag):
-        self.order_done(instance, tag)
 
     # ----- peers ------------------------------------------------------------------------------
     def _pid(self, peer: Any, g: int) -> int:
@@ -354,7 +352,7 @@ class Owner:
             for pid, state, users in changed:
                 for g in users:
                     if g in conns:
-                        self._reply(conns[g], gw.PeerState(pid, state.value), g)
+                        self._reply(conns[g], gw.PeerState(pid, state), g)
 
     def close(self) -> None:
         self._stop.set()
@@ -365,15 +363,3 @@ class Owner:
         for m in self._mappings:
             m.close()
 
-
-def admitted(sock: socket.socket) -> str:
-    """Why a process connecting to the owner socket is refused ("" if it is not). An abstract
-    socket has no file permissions: any process of the host's network namespace can connect.
-    Only the server's own user may drive its backend (which holds the deployment's secret and
-    writes into its peers' memory); that user can read the server's memory anyway."""
-    import struct
-
-    pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-    if uid != os.getuid():
-        return f"process {pid} runs as uid {uid}, this server as uid {os.getuid()}"
-    return ""

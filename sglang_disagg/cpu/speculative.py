@@ -9,7 +9,7 @@ after the verified prefix: only its lengths are missing, and they are given here
 wider tree would need the tree mask torch_native cannot apply: refused at start-up.
 
 Reached through ``hooks`` from two patches (draft_utils: the backend map entry;
-torch_native_backend: the verify lengths, also read by ``attention_native.page_tables``).
+torch_native_backend: the verify lengths, also read by ``attention.page_tables``).
 The index kernels the workers call are in ``spec_ops``.
 """
 

@@ -31,10 +31,10 @@ def page_tables(pool: Any, req_to_token: torch.Tensor, forward_batch: Any) -> li
     None for an NHD pool, for encoder-decoder batches, and when a request's slots do not
     fill whole pages in order (the paged allocator keeps token t at offset t % page, but
     this is checked): `gather_heads_first` then reads slot by slot. A speculative verify
-    forward is read with its lengths (``spec_cpu.extend_view``)."""
-    from sglang_disagg import spec_cpu
+    forward is read with its lengths (``speculative.extend_view``)."""
+    from sglang_disagg.cpu import speculative
 
-    forward_batch = spec_cpu.extend_view(forward_batch)
+    forward_batch = speculative.extend_view(forward_batch)
     if not getattr(pool, "use_hnd", False) or forward_batch.encoder_lens is not None:
         return None
     page_size = pool.page_size

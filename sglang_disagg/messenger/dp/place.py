@@ -6,7 +6,7 @@ ranks, the MoE/MLP layers over all tp ranks) and replica DP (``--dp-size D``: D 
 tp ranks behind SGLang's data-parallel controller). A group's ranks act in lockstep as TP
 ranks do without DP (SGLang broadcasts a group's requests within its attention-TP group),
 so each group runs its own messenger over its own ranks (ranks.py); group 0's leader owns
-the server's one transfer backend (dpowner.py), the others reach it (dpproxy.py).
+the server's one transfer backend (owner.py), the others reach it (proxy.py).
 """
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .dataparallel import resolved
-from .groupwire import socket_name
-
+from .support import resolved
+from .wire import socket_name
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,13 @@ descriptors attached; ``kind`` names what the body means (e.g. "cumem-handover")
 body that lists descriptors describes them in order (ids, sizes, offsets). A message that
 is truncated, of another version, or whose descriptor count differs from its header is
 refused, and every descriptor it brought is closed: none leaks on any error path.
+
+Stream mode (``Listener(stream=True)``, ``connect(stream=True)``): the same names and the
+same credential checks over SOCK_STREAM, for a channel whose frames exceed MAX_MESSAGE (a DP
+group's channel to its server's owner, ipc/stream.py). Descriptors never ride the stream:
+a process that must hand descriptors to another (a GPU DP group's cuMem allocations, for its
+owner to register) opens a SEQPACKET connection beside it and sends them as messages above,
+MAX_FDS per message, as handover.py does for a TP rank's allocations.
 """
 
 from __future__ import annotations
@@ -70,6 +77,13 @@ class Conn:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.cred = peer_cred(sock)
+
+    def other_user(self) -> str:
+        """Why the process at the other end is refused when only our own user may be there
+        ("" when it is of our user: that user can read our memory anyway)."""
+        if self.cred.uid != os.getuid():
+            return f"process {self.cred.pid} runs as uid {self.cred.uid}, this one as uid {os.getuid()}"
+        return ""
 
     def expect_peer(self, pid: int, what: str) -> None:
         """Refuse a peer that is not process `pid` of our own user."""
@@ -139,11 +153,17 @@ def _parse(data: bytes, fds: list[int], flags: int) -> Message:
 
 
 class Listener:
-    """A listening abstract-namespace socket; `name` is what a peer passes to connect()."""
+    """A listening abstract-namespace socket; `name` is what a peer passes to connect().
 
-    def __init__(self, purpose: str, backlog: int = 64) -> None:
-        self.name = f"sglang-disagg-{purpose}-{os.getpid()}-{secrets.token_hex(8)}"
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    By default the name is fresh (purpose, pid, 64 random bits) and the socket SEQPACKET (the
+    messages above). `name` binds a name the caller derived (a DP server's owner socket, known
+    to every group of the server) and `stream` a SOCK_STREAM socket for a byte stream (a
+    group's channel, ipc/stream.py: frames larger than MAX_MESSAGE). A name another process
+    holds raises FdPassError caused by the OSError (EADDRINUSE)."""
+
+    def __init__(self, purpose: str, backlog: int = 64, name: str | None = None, stream: bool = False) -> None:
+        self.name = name or f"sglang-disagg-{purpose}-{os.getpid()}-{secrets.token_hex(8)}"
+        self._sock = socket.socket(socket.AF_UNIX, _kind(stream) | socket.SOCK_CLOEXEC)
         try:
             self._sock.bind("\0" + self.name)
             self._sock.listen(backlog)
@@ -161,22 +181,37 @@ class Listener:
         except OSError as e:
             raise FdPassError(f"accepting on {self.name}: {e}") from e
         sock.setblocking(True)
-        return Conn(sock)
+        try:
+            return Conn(sock)
+        except OSError as e:  # the peer went between accept and SO_PEERCRED
+            sock.close()
+            raise FdPassError(f"accepting on {self.name}: {e}") from e
 
     def close(self) -> None:
-        # shutdown wakes a thread blocked in accept(); close alone does not on Linux.
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._sock.close()
+        shut(self._sock)
 
 
-def connect(name: str, timeout_s: float) -> Conn:
-    """Connect to Listener `name`, retrying while it is not listening yet (until timeout)."""
+def shut(sock: socket.socket) -> None:
+    """Close `sock` so that a thread blocked on it wakes: shutdown first (a blocked accept()
+    or recv() returns), since close alone does not wake it on Linux."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
+
+
+def _kind(stream: bool) -> int:
+    return socket.SOCK_STREAM if stream else socket.SOCK_SEQPACKET
+
+
+def connect(name: str, timeout_s: float, stream: bool = False) -> Conn:
+    """Connect to Listener `name`, retrying while it is not listening yet (until timeout).
+    The caller checks who listens (``Conn.cred``) before sending anything: an abstract name
+    has no permissions, another process may hold it."""
     deadline = time.monotonic() + timeout_s
     while True:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        sock = socket.socket(socket.AF_UNIX, _kind(stream) | socket.SOCK_CLOEXEC)
         try:
             sock.settimeout(max(deadline - time.monotonic(), 0.001))
             sock.connect("\0" + name)

@@ -57,7 +57,7 @@ def __getattr__(name: str):
     back a function that fails then, naming what is missing."""
     if not name.endswith("_cpu") or name.startswith("__"):
         raise AttributeError(name)
-    from sglang_disagg.spec_ops import OPS
+    from sglang_disagg.cpu.spec_ops import OPS
 
     if name in OPS:
         return OPS[name]

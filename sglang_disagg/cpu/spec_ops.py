@@ -1,6 +1,6 @@
 """Native torch versions of the sgl_kernel CPU ops speculative decoding calls on CPU.
 
-The same contract as ``cpu_ops`` (SGLang's CPU branches call ``sgl_kernel.<name>_cpu``,
+The same contract as ``ops`` (SGLang's CPU branches call ``sgl_kernel.<name>_cpu``,
 which the PyPI wheel does not build): index bookkeeping for draft and verify windows,
 kept plain because it is per request and small. Each mirrors the Triton kernel of the
 same name in ``sglang/kernels/ops/speculative`` (read there for the layout).

@@ -1,9 +1,9 @@
 """The transfer backend as a DP group other than the owner's sees it: the server's one
-backend, in the owner process (dpowner.py), reached over the group's Unix socket.
+backend, in the owner process (owner.py), reached over the group's channel (wire.py).
 
 A group's messenger (prefill.py / decode.py, unchanged) calls what it calls on a real
 backend: register, connect, recv, write_pages, expect, retire, is_retired, stats, close, and
-on peers send, add_remote_region, close, state. Each becomes a groupwire Call. Writes and
+on peers send, add_remote_region, close, state. Each becomes its message of wire.py. Writes and
 expectations return a TransferFuture at once, completed by the owner's Done; peers' control
 messages the owner gives this group arrive as Delivery and are read by recv(). Errors keep
 their backends.errors class (and a refused connection its cause), so the messenger tells a
@@ -24,20 +24,17 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import os
 import queue
-import socket
 import threading
-import time
 from typing import Any
 
-from .. import fdpass, shm
-from ..backends import errors
-from ..backends.errors import DeadlineExceeded, PeerLostError, TransferError
-from ..backends.future import TransferFuture
-from ..backends.regions import HOST, MemoryKind, PeerState
-from ..threads import Thread as NamedThread
-from . import groupwire as gw
+from ...backends import errors
+from ...backends.errors import DeadlineExceeded, PeerLostError, TransferError
+from ...backends.future import TransferFuture
+from ...backends.regions import HOST, MemoryKind, PeerState
+from ...ipc import fdpass, shm
+from ...threads import Thread as NamedThread
+from . import wire as gw
 
 logger = logging.getLogger("sglang_disagg.messenger")
 CALL_TIMEOUT_S = 30.0  # an owner that answers nothing in this long is as good as gone
@@ -54,25 +51,24 @@ class ProxyPeer:
     def send(self, data: bytes) -> None:
         if self.state is not PeerState.CONNECTED:
             raise PeerLostError(f"peer {self.address} is {self.state.value}")
-        self._backend.call(gw.Op.SEND, peer=self.pid, data=bytes(data).decode())
+        self._backend.tell(gw.Send(self.pid, bytes(data)))
 
     def add_remote_region(self, descriptor: bytes | str) -> int:
         raw = descriptor.decode() if isinstance(descriptor, bytes) else descriptor
-        return self._backend.call(gw.Op.ADD_REMOTE, peer=self.pid, raw=raw)
+        return self._backend.ask(gw.AddRemote, gw.Added, peer=self.pid, descriptor=raw).remote
 
     def close(self) -> None:
         self.state = PeerState.CLOSED
-        self._backend.call(gw.Op.CLOSE_PEER, reply=False, peer=self.pid)
+        self._backend.tell(gw.ClosePeer(self.pid))
 
     def __repr__(self) -> str:
         return f"ProxyPeer({self.address}, {self.id[:8]}, {self.state.value})"
 
 
 class ProxyBackend:
-    def __init__(self, path: str, group: int, deadline_s: float) -> None:
+    def __init__(self, name: str, group: int, deadline_s: float) -> None:
         self.group = group
-        sock = _connect(path, deadline_s)
-        self._chan = gw.Channel(sock, CALL_TIMEOUT_S)
+        self._chan = gw.Channel(_connect(name, deadline_s).sock, CALL_TIMEOUT_S)
         self._chan.send(gw.Join(group))
         joined = self._chan.read()
         if not isinstance(joined, gw.Joined):
@@ -96,14 +92,14 @@ class ProxyBackend:
             raise errors.UnsupportedMemory("a DP group hands its KV to the owner as shared host memory; "
                                            f"{memory} is not (data parallelism is verified on CPU only)")
         b = shm.locate(addr, length)
-        got = self.call(gw.Op.REGISTER, path=b.path, offset=b.offset, inode=b.inode, dev=b.dev, target=b.target,
-                        length=length)
-        return got["region"], got["descriptor"].encode()
+        got = self.ask(gw.Register, gw.Registered, path=b.path, offset=b.offset, inode=b.inode, dev=b.dev,
+                       target=b.target, length=length)
+        return got.region, got.descriptor.encode()
 
     def connect(self, address: str, timeout_s: float | None = None) -> ProxyPeer:
-        got = self.call(gw.Op.CONNECT, timeout=(timeout_s or 5.0) + CALL_TIMEOUT_S, address=address,
-                        timeout_s=timeout_s)
-        return self._peer(got["peer"], got["instance"], got["address"])
+        got = self.ask(gw.Connect, gw.Connected, timeout=(timeout_s or 5.0) + CALL_TIMEOUT_S, address=address,
+                       timeout_s=timeout_s)
+        return self._peer(got.peer, got.instance, got.address)
 
     def recv(self, timeout_s: float) -> tuple[ProxyPeer, bytes]:
         if self._closed:
@@ -116,82 +112,83 @@ class ProxyBackend:
             raise TransferError(self._closed)
         return item
 
-    def write_pages(self, peer: ProxyPeer, src: int, src_pages: Any, src_stride: int, dst: int, dst_pages: Any,
+    def write_pages(self, peer: ProxyPeer, src: Any, src_pages: Any, src_stride: int, dst: Any, dst_pages: Any,
                     dst_stride: int, length: int, imm: int, src_offset: int = 0, dst_offset: int = 0) -> TransferFuture:
         if peer.state is not PeerState.CONNECTED:
             raise PeerLostError(f"peer {peer.address} is {peer.state.value}")
-        return self._future(f"write to {peer.address}", gw.Op.WRITE_PAGES, peer=peer.pid, src=src,
-                            src_pages=list(src_pages), src_stride=src_stride, dst=dst, dst_pages=list(dst_pages),
-                            dst_stride=dst_stride, length=length, imm=imm, src_offset=src_offset,
-                            dst_offset=dst_offset)
+        return self._future(f"write to {peer.address}", lambda fid: gw.WritePages(
+            fid, peer.pid, src, tuple(src_pages), src_stride, dst, tuple(dst_pages), dst_stride, length, imm,
+            src_offset, dst_offset))
 
     def expect(self, tag: int, count: int, timeout_s: float, peer: Any = None) -> TransferFuture:
-        peers = None if peer is None else sorted(peer)
-        return self._future(f"expectation {tag}", gw.Op.EXPECT, tag=tag, count=count, timeout_s=timeout_s,
-                            peers=peers)
+        peers = None if peer is None else tuple(sorted(peer))
+        return self._future(f"expectation {tag}", lambda fid: gw.Expect(fid, tag, count, float(timeout_s), peers))
 
     def retire(self, tag: int, reason: str = "cancelled") -> None:
-        self.call(gw.Op.RETIRE, reply=False, tag=tag, reason=reason)
+        self.tell(gw.Retire(tag, reason))
 
     def forget(self, tag: int) -> None:
-        self.call(gw.Op.FORGET, reply=False, tag=tag)
+        self.tell(gw.Forget(tag))
 
     def is_retired(self, tag: int) -> bool:
-        return bool(self.call(gw.Op.IS_RETIRED, tag=tag))
+        return self.ask(gw.IsRetired, gw.Answer, tag=tag).yes
 
     def stats(self) -> dict[str, int]:
         """The owner's backend counters (the last ones read, once the owner is gone)."""
         with contextlib.suppress(PeerLostError):
-            self._stats = self.call(gw.Op.STATS)
+            self._stats = self.ask(gw.Stats, gw.Counters).counters
         return self._stats
-
-    def order_done(self, instance: str, tag: int) -> None:
-        self.call(gw.Op.ORDER_DONE, reply=False, instance=instance, tag=tag)
 
     def close(self) -> None:
         self._fail_all("closed")
         self._chan.close()
 
     # ----- the channel ----------------------------------------------------------------------
-    def call(self, op: gw.Op, reply: bool = True, timeout: float = CALL_TIMEOUT_S, **args: Any) -> Any:
-        if self._closed and not reply:
-            return None  # retire, forget, close: nothing left to do at an owner that is gone
+    def tell(self, msg: gw.Message) -> None:
+        """A message with no answer (a failure at the owner is logged there); nothing to do
+        at an owner that is gone (the reader noticed, or will)."""
+        if self._closed:
+            return
+        with contextlib.suppress(PeerLostError):
+            self._send(msg)
+
+    def ask(self, call: type, answer: type, timeout: float = CALL_TIMEOUT_S, **fields: Any) -> Any:
+        """Send `call` (its `id` added) and wait for its `answer`; the owner's Failed raises
+        the error its backend raised."""
         if self._closed:
             raise PeerLostError(self._closed)
-        if not reply:
-            with contextlib.suppress(PeerLostError):  # the reader notices the owner gone
-                self._send(gw.Call(0, op.value, args))
-            return None
         cid, slot = next(self._ids), []
         done = threading.Event()
         with self._lock:
             self._calls[cid] = (done, slot)
-        self._send(gw.Call(cid, op.value, args))
+        self._send(call(id=cid, **fields))
         if not done.wait(timeout):
             with self._lock:
                 self._calls.pop(cid, None)
-            raise DeadlineExceeded(f"the server's messenger owner did not answer {op.value} in {timeout:.0f} s")
+            raise DeadlineExceeded(f"the server's messenger owner did not answer {call.TYPE} in {timeout:.0f} s")
         r = slot[0]
         if isinstance(r, BaseException):
             raise r
-        if r.error:
+        if isinstance(r, gw.Failed):
             raise _error(r.error_type, r.error, r.cause)
-        return r.result
+        if not isinstance(r, answer):
+            raise TransferError(f"the server's messenger owner answered {call.TYPE} with {r.TYPE}, not {answer.TYPE}")
+        return r
 
-    def _future(self, label: str, op: gw.Op, **args: Any) -> TransferFuture:
+    def _future(self, label: str, make: Any) -> TransferFuture:
         fut, fid = TransferFuture(label), next(self._ids)
         with self._lock:
             if self._closed:
                 fut.set_exception(PeerLostError(self._closed))
                 return fut
             self._futures[fid] = fut
-        self._send(gw.Call(0, op.value, args | {"future": fid}))
+        self._send(make(fid))
         return fut
 
     def _send(self, msg: gw.Message) -> None:
         try:
             self._chan.send(msg)
-        except gw.SendTimeout as e:  # the stream is cut mid-frame: nothing more can go or come
+        except gw.stream.SendTimeout as e:  # the stream is cut mid-frame: nothing more can go or come
             why = f"the server's messenger owner (DP group 0) took nothing for {CALL_TIMEOUT_S:.0f} s: {e}"
             self._fail_all(why)
             self._chan.close()
@@ -223,7 +220,7 @@ class ProxyBackend:
                 return
 
     def _take(self, msg: gw.Message) -> None:
-        if isinstance(msg, gw.Reply):
+        if isinstance(msg, (gw.Registered, gw.Connected, gw.Added, gw.Answer, gw.Counters, gw.Failed)):
             with self._lock:
                 waiting = self._calls.pop(msg.id, None)
             if waiting is not None:
@@ -238,11 +235,13 @@ class ProxyBackend:
                 else:
                     fut.set_result(None)
         elif isinstance(msg, gw.Delivery):
-            self._inbox.put((self._peer(msg.peer, msg.instance, msg.address), msg.data.encode()))
+            self._inbox.put((self._peer(msg.peer, msg.instance, msg.address), msg.data))
         elif isinstance(msg, gw.PeerState):
             peer = self._peers.get(msg.peer)
             if peer is not None:
-                peer.state = PeerState(msg.state)
+                peer.state = msg.state
+        else:
+            raise gw.GroupWireError(f"{msg.TYPE} is not a message the owner sends")
 
     def _fail_all(self, why: str) -> None:
         with self._lock:
@@ -280,31 +279,18 @@ def _error(type_name: str, message: str, cause: str = "") -> TransferError:
     return err
 
 
-def _connect(path: str, deadline_s: float) -> socket.socket:
+def _connect(name: str, deadline_s: float) -> fdpass.Conn:
     """The owner starts in another process at the same time: retry until it listens. The
     listener must be of our own user (an abstract name has no permissions: another user
     may have bound it first, to take the calls, prompts included): refused otherwise, before
     a byte is sent."""
-    deadline = time.monotonic() + deadline_s
-    while True:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            s.connect(path)
-        except OSError as e:
-            s.close()
-            if time.monotonic() > deadline:
-                raise TransferError(f"no messenger owner (DP group 0) listening after {deadline_s:.0f} s: {e}") from e
-            time.sleep(0.05)
-            continue
-        try:
-            cred = fdpass.peer_cred(s)
-        except OSError as e:
-            s.close()
-            raise TransferError(f"the DP owner socket {gw.printable(path)}: cannot read its listener's "
-                                f"credentials: {e}") from e
-        if cred.uid != os.getuid():
-            s.close()
-            raise TransferError(f"refused the DP owner socket {gw.printable(path)}: its listener (pid {cred.pid}) "
-                                f"runs as uid {cred.uid}, this server as uid {os.getuid()} (another user took the "
-                                "name; nothing was sent)")
-        return s
+    try:
+        conn = fdpass.connect(name, deadline_s, stream=True)
+    except fdpass.FdPassError as e:
+        raise TransferError(f"no messenger owner (DP group 0) listening after {deadline_s:.0f} s: {e}") from e
+    refused = conn.other_user()
+    if refused:
+        conn.close()
+        raise TransferError(f"refused the DP owner socket @{name}: its listener is another user's ({refused}; "
+                            "another user took the name; nothing was sent)")
+    return conn
