@@ -344,6 +344,9 @@ class TransferBackend(ABC):
     def is_retired(self, tag: int) -> bool:
         return self._tracker.is_retired(tag)
 
+    def landed(self, tag: int) -> int:
+        return self._tracker.landed(tag)
+
     # ----- messages, stats, close ------------------------------------------------------
     def recv(self, timeout_s: float) -> tuple[Peer, bytes]:
         return self._table.recv(timeout_s)

@@ -7,8 +7,9 @@ deadline ("fewer immediates than expected by the deadline = failed", the only si
 some providers give when a sender dies) or when the peer it depends on is lost.
 
 Arrivals before the expectation are credited; a fired expectation consumes its n
-arrivals. A failed (or cancelled) expectation RETIRES its tag: its count is dropped and
-every later arrival for it is discarded, and the tag cannot be expected again. Writes of a
+arrivals. A failed (or cancelled) expectation RETIRES its tag: every later arrival for it is discarded
+(counted: `landed(tag)` is every arrival of a retired tag, before and after), and the tag
+cannot be expected again. Writes of a
 failed request that land late therefore never count toward another request. The retired
 set is bounded (oldest forgotten first): callers issue tags from a 32-bit counter, so a
 tag comes back only after 2**32 newer ones.
@@ -63,7 +64,7 @@ class ExpectTracker:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._counts: dict[int, int] = {}
-        self._retired: OrderedDict[int, None] = OrderedDict()
+        self._retired: OrderedDict[int, int] = OrderedDict()  # tag -> its arrivals, late ones too
         self.late_writes_dropped = 0
         self._early: OrderedDict[int, None] = OrderedDict()  # tags in _counts, not in _waiting; LRU first
         self.early_credits_dropped = 0
@@ -120,6 +121,7 @@ class ExpectTracker:
         with self._lock:
             if tag in self._retired:
                 self.late_writes_dropped += n
+                self._retired[tag] += n
                 return
             total = self._counts.get(tag, 0) + n
             self._counts[tag] = total
@@ -178,6 +180,12 @@ class ExpectTracker:
         with self._lock:
             return tag in self._retired
 
+    def landed(self, tag: int) -> int:
+        """How many writes of retired `tag` arrived, before it was retired and since (-1: not
+        a retired tag, or forgotten)."""
+        with self._lock:
+            return self._retired.get(tag, -1)
+
     def peer_lost(self, peer: str, reason: str) -> None:
         with self._lock:
             lost = [e for e in self._waiting.values() if e.peers is None or peer in e.peers]
@@ -232,9 +240,8 @@ class ExpectTracker:
         self._retire(e.tag)
 
     def _retire(self, tag: int) -> None:
-        self._counts.pop(tag, None)
         self._early.pop(tag, None)
-        self._retired[tag] = None
+        self._retired[tag] = self._retired.get(tag, 0) + self._counts.pop(tag, 0)
         while len(self._retired) > RETIRED_MAX:
             self._retired.popitem(last=False)
 

@@ -63,7 +63,8 @@ class DecodeMessenger(RequestEndings):
         self._seq = itertools.count()
         self._tags = itertools.count(1)
         self.stats = {"requests_carried": 0, "requests_local": 0, "requests_failed": 0, "writes_received": 0,
-                      "pages_reused": 0, "pages_quarantined": 0, "requests_rerouted": 0}
+                      "pages_reused": 0, "pages_quarantined": 0, "requests_rerouted": 0,
+                      "late_writes_given_up": 0}
         self.links: Links | None = None
         self._inbox: collections.deque[tuple[Any, wire.Message]] = collections.deque()
         self.recent: collections.deque[dict] = collections.deque(maxlen=64)  # handed-off requests' timelines
@@ -208,7 +209,9 @@ class DecodeMessenger(RequestEndings):
                     if isinstance(msg, wire.OrderFailed) and not e.failed:
                         e.failed = f"prefill server {e.link} failed the request: {msg.reason}"
                         e.cause = Cause.INTAKE if msg.blame is wire.Blame.ORDER else Cause.PREFILL
-                    e.release = Release.FREE  # the prefill server is done with this tag either way
+                    # The prefill server is done with this tag either way; its writes may still
+                    # be on their way: the pages go once the count it gives arrived (endings).
+                    e.answered, e.posted = e.answered or time.monotonic(), msg.posted
 
     # ----- every iteration ------------------------------------------------------------
     def step(self) -> None:

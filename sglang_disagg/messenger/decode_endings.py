@@ -13,7 +13,7 @@ import os
 import time
 
 from . import wire
-from .entry import CANCEL_TIMEOUT_S, Cancel, Entry, Phase, Release, release_step
+from .entry import CANCEL_TIMEOUT_S, LATE_WRITES_S, Cancel, Entry, Phase, Release, Settle, release_step, settle
 from .metrics import Cause
 from .requests import HANDOFF_ATTR, LOCK_ATTR, fail_request, release
 
@@ -47,6 +47,16 @@ class RequestEndings:
         now = time.monotonic()
         for e in self.entries.values():
             if e.phase not in (Phase.RELEASE, Phase.QUARANTINE) or e.release:
+                continue
+            if e.answered:
+                verdict = settle(e, self.backend.landed(e.tag), now)
+                if verdict is Settle.GIVE_UP:
+                    self.stats["late_writes_given_up"] += 1
+                    logger.error("messenger: %s: %s posted %d writes, %d arrived in %.0f s after its answer; freeing "
+                                 "the pages (a write arriving later would land in reused pages)", e.req.rid, e.link,
+                                 e.posted, self.backend.landed(e.tag) + int(e.first_landed), LATE_WRITES_S)
+                if verdict is not Settle.WAIT:
+                    e.release = Release.FREE
                 continue
             link = self.links.links.get(e.link) if e.link else None
             if release_step(e, link, now) is Cancel.SEND:

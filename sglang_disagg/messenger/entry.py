@@ -23,6 +23,11 @@ CANCEL_TIMEOUT_S = 5.0
 # proved to be the prefill's writes stuck after that drop (CHANGELOG), which this does not cure.
 CANCEL_RESEND_S = 1.0
 LOST_VERDICT_S = 1.0  # how long a request lost before any write waits to learn whether its server is gone
+# How long, after its prefill server answered, a failed request's pages wait for the writes it
+# posted that have not arrived. A connection a partition interrupted delivers them once the
+# network heals (seen: 1.8 s after the answer); one that broke never will. Past this the pages
+# are freed (logged, counted): a write still on its way after that would land in reused pages.
+LATE_WRITES_S = 30.0
 
 
 class Phase(enum.Enum):
@@ -47,6 +52,14 @@ class Release(enum.IntEnum):
     UNDECIDED = 0
     FREE = 1        # no write can land any more
     QUARANTINE = 2  # a live connection may still carry writes
+
+
+class Settle(enum.Enum):
+    """A failed request its prefill server answered: may its pages go?"""
+
+    WAIT = "wait"        # writes it posted may still land
+    FREE = "free"        # every write it posted arrived (or it could not say how many)
+    GIVE_UP = "give up"  # some never came within LATE_WRITES_S
 
 
 class Cancel(enum.Enum):
@@ -82,6 +95,8 @@ class Entry:
     lost: float = 0.0             # leader: when its prefill server's connection was lost (0: it was not)
     route_peer: Any = None        # leader: the link's connection when the order went out
     rerouted: bool = False        # it was re-routed once already
+    answered: float = 0.0         # leader: when its prefill server said Released/OrderFailed (0: not yet)
+    posted: int | None = None     # leader: writes that server posted with the tag (None: it did not know)
     times: dict = field(default_factory=dict)  # monotonic timestamps of the lifecycle
 
 
@@ -100,6 +115,17 @@ def lost_verdict(e: Entry, links: dict[str, Any], now: float) -> Lost:
     if reconnected or now - e.lost > LOST_VERDICT_S:
         return Lost.FAIL  # the server lives and may still write, or no verdict in time
     return Lost.WAIT
+
+
+def settle(e: Entry, landed: int, now: float) -> Settle:
+    """Leader, for a failed request whose prefill server answered: `landed` is what the backend
+    counted of its (retired) tag, -1 when it no longer knows the tag. The first write, taken by
+    the first expectation when it fired, is not in that count."""
+    if e.posted is None or landed < 0:
+        return Settle.FREE
+    if landed + int(e.first_landed) >= min(e.posted, e.writes):
+        return Settle.FREE
+    return Settle.GIVE_UP if now - e.answered > LATE_WRITES_S else Settle.WAIT
 
 
 def release_step(e: Entry, link: Any, now: float) -> Cancel:

@@ -78,7 +78,7 @@ class Intake:
             if problem:
                 self.node.dp.order_done(key or DecoderKey(peer.id), msg.tag)  # the owner forgets it
                 peer.send(wire.encode(wire.OrderFailed(rid=msg.rid, tag=msg.tag, reason=problem,
-                                                                blame=wire.Blame.ORDER)))
+                                                                blame=wire.Blame.ORDER, posted=0)))
                 return
             if held:
                 timer = threading.Timer(self._hold.seconds, self._take_held, args=(OrderTicket(key, msg),))

@@ -42,6 +42,9 @@ GAUGES = {  # name -> (help, label)
                                                   "at its connection limit, or past its request deadline", "why"),
     "sglang_disagg_notifications_dropped": ("Data-plane notifications dropped unbelieved (NIXL, Mooncake), by "
                                             "reason", "reason"),
+    "sglang_disagg_late_writes": ("Writes of failed requests that arrived after the failure, discarded (a "
+                                  "decoder frees such a request's pages once every write its prefill server "
+                                  "posted arrived)", "fate"),
 }
 
 

@@ -35,6 +35,7 @@ class Record:
     req: Any = None
     sent: int = 0            # pages planned for writing so far
     posted: int = 0
+    writes: int = 0          # single writes in the posted batches: what the decoder counts
     completed: int = 0
     failed: str = ""         # this rank: why its writes failed
     refused: bool = False    # SGLang refused the order as given (too long, ...): the order's fault
@@ -45,9 +46,10 @@ class Record:
     times: dict = field(default_factory=dict)  # monotonic timestamps, for traces and benchmarks
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def posted_one(self) -> None:
+    def posted_one(self, writes: int) -> None:
         with self._lock:
             self.posted += 1
+            self.writes += writes
 
     def on_write_done(self, fut: Any, layer: int | None, last_layer: int, wakeup: Any) -> None:  # backend thread
         err = fut.exception()

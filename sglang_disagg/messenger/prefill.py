@@ -56,6 +56,7 @@ from .stream import LAYER_TIMEOUT_S, Streamer, Ticket
 
 logger = logging.getLogger("sglang_disagg.messenger")
 TRACE = os.environ.get("SGLANG_DISAGG_TRACE") == "1"  # one timing line per order, for profiling
+FINISHED_MAX = 1 << 14  # finished orders remembered for a late cancel (older: answered "posted unknown")
 
 
 class PrefillMessenger(ChunkWrites):
@@ -67,6 +68,9 @@ class PrefillMessenger(ChunkWrites):
         self.ranks, self.backend = self.node.ranks, self.node.backend
         self.decoders = DecoderLinks()  # bounded: dropped when their decoder left (decoderlinks.py)
         self.records: dict[str, Record] = {}        # prefill rid -> record
+        # (decoder, tag) -> writes posted, of the orders finished last: a cancel that comes
+        # after the order ended (the decoder was cut off) is answered with it (leader).
+        self.finished: collections.OrderedDict[tuple[DecoderKey, int], int] = collections.OrderedDict()
         self._seq = itertools.count()
         self.intake = Intake(self.node, self.ranks.size, int(scheduler.model_config.vocab_size)) \
             if self.ranks.is_leader else None
@@ -180,9 +184,11 @@ class PrefillMessenger(ChunkWrites):
         rec = next((r for r in self.records.values() if r.key == item.key and r.order.tag == item.tag), None)
         if rec is None:
             # Already released (orders precede their cancel in the broadcast): nothing of it
-            # is in flight any more; say so, or the decoder would hold its pages.
+            # is in our hands any more; say so, and how many writes it posted (some may still
+            # be on their way: the decoder counts them in before it frees the pages).
             if self.intake is not None:
-                self.intake.send(item.key, wire.Released(rid="", tag=item.tag))
+                self.intake.send(item.key, wire.Released(rid="", tag=item.tag,
+                                                         posted=self.finished.get((item.key, item.tag))))
             return
         rec.cancelled = True
         if rec.req is not None and not rec.held:
@@ -325,11 +331,17 @@ class PrefillMessenger(ChunkWrites):
                 m.transfer.observe(max(0.0, t["last_write"] - t["first_post"]))
         if self.intake is not None:
             self.node.dp.order_done(rec.key, rec.order.tag)
+        if self.intake is not None:
+            self.finished[(rec.key, rec.order.tag)] = rec.writes
+            while len(self.finished) > FINISHED_MAX:
+                self.finished.popitem(last=False)
         if self.intake is not None and (rec.cancelled or failed):
-            self.intake.send(rec.key, wire.Released(rid=rec.order.rid, tag=rec.order.tag) if rec.cancelled else
+            self.intake.send(rec.key, wire.Released(rid=rec.order.rid, tag=rec.order.tag, posted=rec.writes)
+                             if rec.cancelled else
                              wire.OrderFailed(rid=rec.order.rid, tag=rec.order.tag,
                                               reason=rec.failed or "KV writes failed on another TP rank",
-                                              blame=wire.Blame.ORDER if rec.refused else wire.Blame.SERVER))
+                                              blame=wire.Blame.ORDER if rec.refused else wire.Blame.SERVER,
+                                              posted=rec.writes))
 
     def abort(self, recv_req: Any) -> None:
         # Orders still waiting in SGLang's queue hold nothing: finish them here, or SGLang

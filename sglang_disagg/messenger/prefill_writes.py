@@ -75,7 +75,7 @@ class ChunkWrites:
             for g in groups:
                 fut = post(self.backend, link.peers[g.dst_rank], g, self.node.regions[g.src_rank],
                            link.remote[g.dst_rank], rec.order.tag, len(self.node.view.geometry.kinds))
-                rec.posted_one()
+                rec.posted_one(g.writes)
                 self.stats["writes_posted"] += g.writes
                 m.writes.inc(g.writes)
                 m.bytes.inc(g.writes * g.length)

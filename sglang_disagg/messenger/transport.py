@@ -133,6 +133,12 @@ class Transport(Protocol):
         """Whether `tag` was retired and not forgotten since."""
         ...
 
+    def landed(self, tag: int) -> int:
+        """How many writes with retired `tag` arrived here, before it was retired and since
+        (-1: not retired here). A decoder frees a failed request's pages once every write the
+        prefill posted for it is accounted for: none can land in them afterwards."""
+        ...
+
     def stats(self) -> dict[str, int]:
         """Counters for metrics and logs (peers, batches, expectations, late_writes_dropped, ...)."""
         ...

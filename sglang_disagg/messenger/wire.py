@@ -28,8 +28,9 @@ from typing import ClassVar
 
 from .fields import Codec
 
-WIRE_VERSION = 6  # 2: OrderFailed.blame; 3: KVSpec.draft/draft_layers, PrefillOrder.last_token;
-# 4: KVSpec.draft_hidden_size; 5: KVSpec.kv_lora_rank/rope_dim/replicated (MLA); 6: Hello.group (DP)
+WIRE_VERSION = 7  # 2: OrderFailed.blame; 3: KVSpec.draft/draft_layers, PrefillOrder.last_token;
+# 4: KVSpec.draft_hidden_size; 5: KVSpec.kv_lora_rank/rope_dim/replicated (MLA); 6: Hello.group (DP);
+# 7: OrderFailed.posted, Released.posted
 
 # Bounds on what a peer's message may claim. A server builds lists, plans and loops from these
 # counts (compat.py: list(range(tp)); the planner: one entry per rank, layer and page), so each
@@ -175,6 +176,7 @@ class OrderFailed(Message):
     tag: int
     reason: str
     blame: Blame
+    posted: int | None  # writes the prefill posted with `tag`, every one (None: it no longer knows)
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,9 +188,13 @@ class Cancel(Message):
 
 @dataclass(frozen=True, slots=True)
 class Released(Message):
+    """Nothing of the order is in the prefill's hands any more. `posted` writes carried its tag
+    (None: the prefill forgot the order): a write already on its way may still land, so the
+    decoder frees the pages once that many arrived (decode_endings.py)."""
     TYPE: ClassVar[str] = "released"
     rid: str
     tag: int
+    posted: int | None
 
 
 MESSAGES: dict[str, type[Message]] = {cls.TYPE: cls for cls in (Hello, Welcome, Refuse, PrefillOrder, OrderFailed,

@@ -131,6 +131,7 @@ def test_late_writes_of_a_failed_tag_never_count_again() -> None:
             fut.wait(2.0)
         t.add(11, 2)                      # the late half of the failed request
         assert t.arrived(11) == 0 and t.late_writes_dropped == 2 and t.is_retired(11)
+        assert t.landed(11) == 4 and t.landed(99) == -1  # before and after it was retired: all counted
         with pytest.raises(DescriptorError, match="retired"):
             t.expect(11, 2, 1.0)
         fut = t.expect(12, 1, 10.0, peer={"p2", "p3"})

@@ -22,13 +22,16 @@ import time
 
 import pytest
 
-from e2e.faultlib import FAULT_DEADLINE_S, SILENT_PEER_DEADLINE_S, leaked_pages, row, wait_for
+from e2e.faultlib import FAULT_DEADLINE_S, SILENT_PEER_DEADLINE_S, leaked_pages, row, value, wait_for
 from harness.hosts import netns, shaping
 
 from .conftest import LONG_OUTPUT, OUTPUT_TOKENS
 from .netfaults import HEARTBEAT_S, LAYOUT, RATE_MBIT, TRANSFER_TIMEOUT_S, NetFaults
 
 pytestmark = pytest.mark.e2e
+# After a cut link comes back, TCP retransmits what was queued in it after its backed-off timer
+# (up to seconds): the failed request's writes arrive then, and its pages are freed after them.
+DRAIN_S = 10.0
 
 
 @pytest.fixture(scope="module")
@@ -73,13 +76,35 @@ def decoder_failed(nf: NetFaults, before: float, t0: float) -> float:
     return nf.last_failure() - wall0
 
 
+def late_writes(nf: NetFaults) -> float:
+    """The decoder's count of writes that arrived for failed requests (read live, not from its
+    stats file, which is rewritten at most 5 times a second)."""
+    samples = nf.metrics("decode-0")
+    assert ("sglang_disagg_late_writes", ("fate", "discarded")) in samples, "the decoder exports no late-write count"
+    return value(samples, "sglang_disagg_late_writes", fate="discarded")
+
+
+def no_late_writes_after_free(nf: NetFaults, before: int) -> None:
+    """No write of a failed request landed after the decoder freed its pages (`before`: the
+    decoder's late-write count when they were freed; read after the next request was served,
+    seconds later). A partition only interrupts the prefill's data connection: once healed it
+    delivers the writes queued in it, which would land in pages another request holds by then
+    (seen once in CI: the next request's 32nd token differed from colocated; without the fix
+    700 writes landed after the free, every run). So the prefill says how many writes it
+    posted, and the decoder frees the pages once that many arrived."""
+    after = late_writes(nf)
+    assert after == before, f"{after - before} writes of a failed request landed after its pages were freed"
+
+
 def settled(call, expected: list[int], since: float) -> tuple[str, int]:
     """A request the decoder failed: the client got the reason, or the router retried it (the
     decoder answers 503, which the router may retry) and the retry, a new request with new
-    pages, was served exact. (What the client saw, requests handed to decoding.)"""
+    pages, was served exact or failed with its reason: a retry landing right behind the link's
+    return may miss its deadline behind TCP's retransmission back-off (seen in CI: 749 of 751
+    writes in time). (What the client saw, requests handed to decoding.)"""
     call.result(60)
     if call.err is not None:
-        assert "lost" in str(call.err) or "silent" in str(call.err), call.err
+        assert any(w in str(call.err) for w in ("lost", "silent", "before the deadline")), call.err
         return f"the client got the error ({str(call.err)[:60]})", 0
     assert call.out == expected, f"retried, but {call.out} != colocated {expected}"
     return f"the router's retry was served, exact, {call.done_at - since:.3f}s after", 1
@@ -124,12 +149,15 @@ def test_the_decode_link_cut_longer_fails_what_was_in_flight_and_the_links_come_
     t1 = time.monotonic()
     back = nf.wait_links_ready()
     outcome, handed = settled(call, out, t1)  # a retry holds pages of its own until it is served
-    freed, held = nf.released("decode-0", t1, timeout=2)
-    assert held == 0, f"the decoder still holds {held} pages or requests 2 s after the request settled"
+    freed, held = nf.released("decode-0", t1, timeout=DRAIN_S)  # its writes first come out of the healed link
+    late = late_writes(nf)
+    assert held == 0, f"the decoder still holds {held} pages or requests {DRAIN_S} s after the request settled"
     assert tte < SILENT_PEER_DEADLINE_S, f"the decoder failed the request {tte:.3f} s after the cut"
     assert nf.outcome("carried") == carried + handed
+    ok = exact(nf, reference, 3)
+    no_late_writes_after_free(nf, late)
     row(f"N2 decode host's link cut {2 * HEARTBEAT_S + 0.5:.1f} s mid-transfer (> heartbeat)", tte, leaked + held,
-        exact(nf, reference, 3), f"failed by the decoder (peer silent); links ready {back:.3f}s after the link came "
+        ok, f"failed by the decoder (peer silent); links ready {back:.3f}s after the link came "
         f"back; {outcome} it; the decoder held the failed request's pages until then, all free {freed:.3f}s after")
 
 
@@ -155,11 +183,13 @@ def test_a_partition_between_a_prefill_host_and_the_decode_host(nf, longs, refer
     assert tte < SILENT_PEER_DEADLINE_S, f"{tte:.3f} s to the decoder's error"
     assert nf.outcome("carried") == carried + handed + 1
     back = nf.wait_links_ready()
-    freed, held = nf.released("decode-0", t1, timeout=2)
-    assert held == 0, f"the decoder still holds {held} pages or requests 2 s after healing"
+    freed, held = nf.released("decode-0", t1, timeout=DRAIN_S)
+    late = late_writes(nf)
+    assert held == 0, f"the decoder still holds {held} pages or requests {DRAIN_S} s after healing"
     before = nf.writes("prefill-0")
     ok = exact(nf, reference, 5)
     assert nf.writes("prefill-0") > before, "the healed prefill host did not serve again"
+    no_late_writes_after_free(nf, late)
     row("N3 partition prefill-a | decode (both reach the router)", tte, leaked + held, ok,
         f"failed by the decoder (peer silent); {outcome} the partition; prefill-b served meanwhile; links ready "
         f"{back:.3f}s after healing, then prefill-a served again")
@@ -268,10 +298,12 @@ def test_a_prefill_host_cut_off_fails_what_it_was_writing_which_the_router_retri
     t1 = time.monotonic()
     back = nf.wait_links_ready(30)
     freed, left = nf.released("decode-0", t1, timeout=back + 5)
+    late = late_writes(nf)
     assert left == 0, f"{left} pages still held after prefill-a came back"
     before = nf.writes("prefill-0")
     ok = exact(nf, reference, 8)
     assert nf.writes("prefill-0") > before, "prefill-a did not serve again"
+    no_late_writes_after_free(nf, late)
     row("N6 prefill host's cable cut mid-transfer (a second prefill host configured)", tte, leaked, ok,
         f"both of its requests failed by the decoder (peer silent); {'; '.join(outcomes)} the cut; their {pages} "
         f"pages quarantined, not reused, until the host came back: freed {freed:.3f}s after, then it served again")

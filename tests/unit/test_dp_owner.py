@@ -71,11 +71,11 @@ def test_a_group_moves_kv_and_messages_through_the_owner(name, provider):
         assert wire.decode(raw) == hello
         # The prefill's answer reaches the owner's control thread, which gives it to the group
         # whose connection it came on (here by dispatch, as Node's reader does).
-        from_decoder.send(wire.encode(wire.Released(rid="r", tag=5)))
+        from_decoder.send(wire.encode(wire.Released(rid="r", tag=5, posted=7)))
         p, raw = _recv(owner_backend)
         owner.dispatch(p, raw, wire.decode(raw))
         back_peer, back = group.recv(5.0)
-        assert back_peer is peer and wire.decode(back) == wire.Released(rid="r", tag=5) and not got
+        assert back_peer is peer and wire.decode(back) == wire.Released(rid="r", tag=5, posted=7) and not got
         # The prefill's real writes land in the group's pages and are counted by tag.
         src = shm.shared_zeros((8, 64), torch.float32)  # the prefill's pool (shmem moves shared memory only)
         src.copy_(torch.arange(8 * 64, dtype=torch.float32).reshape(8, 64))
@@ -242,7 +242,7 @@ def test_group_wire_checks_version_and_fields():
     raw = gw.encode(gw.Stats(3))
     assert gw.decode(raw) == gw.Stats(3)
     with pytest.raises(gw.GroupWireError, match="version"):
-        gw.decode(raw.replace(b'"v":2', b'"v":9'))
+        gw.decode(raw.replace(b'"v":3', b'"v":9'))
     with pytest.raises(gw.GroupWireError, match="fields"):
         gw.decode(raw.replace(b'"id"', b'"ix"'))
 

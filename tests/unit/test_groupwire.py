@@ -24,11 +24,11 @@ from sglang_disagg.messenger.dp.owner import Owner
 from sglang_disagg.messenger.dp.proxy import ProxyBackend
 
 DEEP = 10_000
-CONTROL = b'{"type":"cancel","v":6,"rid":"r","tag":3}'
+CONTROL = b'{"type":"cancel","v":7,"rid":"r","tag":3}'
 GOOD = [gw.Join(1), gw.Register(2, "/dev/shm/x", 0, 5, 6, "/dev/shm/x", 4096), gw.Connect(3, "h:1", None),
         gw.Connect(3, "h:1", 2.5), gw.Send(1, CONTROL), gw.AddRemote(4, 1, "desc"),
         gw.WritePages(5, 1, 0, (1, 2), 64, 7, (3, 4), 64, 32, 9, 0, 0), gw.Expect(6, 9, 2, 5.0, None),
-        gw.Expect(6, 9, 2, 5.0, ("i1", "i2")), gw.Retire(9, "cancelled"), gw.Forget(9), gw.IsRetired(7, 9),
+        gw.Expect(6, 9, 2, 5.0, ("i1", "i2")), gw.Retire(9, "cancelled"), gw.Forget(9), gw.IsRetired(7, 9), gw.Landed(8, 9),
         gw.Stats(8), gw.ClosePeer(1), gw.OrderDone("i1", 9),
         gw.Joined("shmem", "", "h:1", "i"), gw.Registered(2, 0, "desc"), gw.Connected(3, 1, "i", "h:1"),
         gw.Added(4, 1), gw.Answer(7, True), gw.Counters(8, {"a": 1}), gw.Failed(4, "boom", "TransferError",
@@ -94,10 +94,10 @@ def test_a_field_of_the_wrong_type_or_value_is_refused(msg, field, value, why):
      "nest deeper"),
     (_framed(json.dumps(_body(gw.Counters(3, {}))).replace("{}", '{"a":' * DEEP + "1" + "}" * DEEP).encode()),
      "nest"),
-    (_framed(b'{"type": ["join"], "v": 2, "group": 1}'), "unknown message type"),
-    (_framed(b'{"type": {}, "v": 2}'), "unknown message type"),
+    (_framed(b'{"type": ["join"], "v": 3, "group": 1}'), "unknown message type"),
+    (_framed(b'{"type": {}, "v": 3}'), "unknown message type"),
     (_framed(b'{"type": "join", "v": [2], "group": 1}'), "version"),
-    (_framed(b'{"type": "join", "v": 1, "group": 1}'), "group wire version 1, this build speaks 2"),
+    (_framed(b'{"type": "join", "v": 1, "group": 1}'), "group wire version 1, this build speaks 3"),
     (_framed(b"\xff"), "unreadable message: not UTF-8"),
     (_framed(b"7"), "must be a JSON object"),
     (b"\x00\x00", "has no header"),

@@ -24,8 +24,8 @@ ORDER = wire.PrefillOrder(rid="r1", tag=7, token_ids=(1, 2, 3), dst_pages=(9,), 
 @pytest.mark.parametrize("msg", [
     HELLO, ORDER,
     wire.Welcome(prefill="prefill", kv=KV, ranks=(wire.RankEndpoint(0, "h:1", "i", ()),)),
-    wire.Refuse(prefill="p", reason="model differs"), wire.OrderFailed(rid="r", tag=1, reason="x", blame=wire.Blame.SERVER),
-    wire.Cancel(rid="r", tag=1), wire.Released(rid="r", tag=1),
+    wire.Refuse(prefill="p", reason="model differs"), wire.OrderFailed(rid="r", tag=1, reason="x", blame=wire.Blame.SERVER, posted=3),
+    wire.Cancel(rid="r", tag=1), wire.Released(rid="r", tag=1, posted=None),
 ])
 def test_every_message_round_trips_with_named_fields(msg):
     raw = wire.encode(msg)
@@ -39,25 +39,25 @@ def test_every_message_round_trips_with_named_fields(msg):
     (b"{", "unreadable message: not valid JSON"),
     (b"[1, 2]", "JSON object"),
     (b'{"type": "cancel", "v": 99, "rid": "r", "tag": 1}', "wire version 99"),
-    (b'{"type": "teleport", "v": 6}', "unknown message type"),
-    (b'{"type": "cancel", "v": 6, "rid": "r"}', r"missing \['tag'\]"),
-    (b'{"type": "cancel", "v": 6, "rid": "r", "tag": 1, "extra": 0}', r"unexpected \['extra'\]"),
-    (b'{"type": "cancel", "v": 6, "rid": 5, "tag": 1}', "cancel.rid: expected a string"),
-    (b'{"type": "cancel", "v": 6, "rid": "r", "tag": -1}', "non-negative integer"),
-    (b'{"type": "cancel", "v": 6, "rid": "r", "tag": true}', "non-negative integer"),
-    (b'{"type": "prefill", "v": 6, "rid": "r", "tag": 1, "token_ids": [1, "x"], "dst_pages": [], "start_page": 0, "last_token": 5}',
+    (b'{"type": "teleport", "v": 7}', "unknown message type"),
+    (b'{"type": "cancel", "v": 7, "rid": "r"}', r"missing \['tag'\]"),
+    (b'{"type": "cancel", "v": 7, "rid": "r", "tag": 1, "extra": 0}', r"unexpected \['extra'\]"),
+    (b'{"type": "cancel", "v": 7, "rid": 5, "tag": 1}', "cancel.rid: expected a string"),
+    (b'{"type": "cancel", "v": 7, "rid": "r", "tag": -1}', "non-negative integer"),
+    (b'{"type": "cancel", "v": 7, "rid": "r", "tag": true}', "non-negative integer"),
+    (b'{"type": "prefill", "v": 7, "rid": "r", "tag": 1, "token_ids": [1, "x"], "dst_pages": [], "start_page": 0, "last_token": 5}',
      r"token_ids\[1\]"),
-    (b'{"type": "prefill", "v": 6, "rid": "r", "tag": 1, "token_ids": 3, "dst_pages": [], "start_page": 0, "last_token": 5}',
+    (b'{"type": "prefill", "v": 7, "rid": "r", "tag": 1, "token_ids": 3, "dst_pages": [], "start_page": 0, "last_token": 5}',
      "token_ids: expected a list"),
 ])
 def test_malformed_messages_are_refused_with_the_reason(raw, error):
-    assert wire.WIRE_VERSION == 6  # the cases above are written for it
+    assert wire.WIRE_VERSION == 7  # the cases above are written for it
     with pytest.raises(wire.WireError, match=error):
         wire.decode(raw)
 
 
 def test_an_order_failure_says_whose_it_is():
-    raw = json.loads(wire.encode(wire.OrderFailed(rid="r", tag=1, reason="x", blame=wire.Blame.ORDER)))
+    raw = json.loads(wire.encode(wire.OrderFailed(rid="r", tag=1, reason="x", blame=wire.Blame.ORDER, posted=0)))
     assert raw["blame"] == "order"
     with pytest.raises(wire.WireError, match=r"failed.blame: 'nobody' is not one of \['order', 'server'\]"):
         wire.decode(json.dumps(raw | {"blame": "nobody"}))
@@ -146,8 +146,8 @@ def test_fault_specs():
 
 # ----- hostile input: every decode failure is a WireError, counts bounded --------------------
 MESSAGES = [HELLO, ORDER, wire.Welcome(prefill="prefill", kv=KV, ranks=(wire.RankEndpoint(0, "h:1", "i", ()),)),
-            wire.Refuse(prefill="p", reason="r"), wire.OrderFailed(rid="r", tag=1, reason="x", blame=wire.Blame.ORDER),
-            wire.Cancel(rid="r", tag=1), wire.Released(rid="r", tag=1)]
+            wire.Refuse(prefill="p", reason="r"), wire.OrderFailed(rid="r", tag=1, reason="x", blame=wire.Blame.ORDER, posted=0),
+            wire.Cancel(rid="r", tag=1), wire.Released(rid="r", tag=1, posted=None)]
 DEEP = 10_000
 
 
@@ -260,7 +260,7 @@ def test_counts_past_their_bound_are_refused_naming_the_field(raw, field):
 
 
 def test_ten_million_pages_are_refused_before_they_are_parsed():
-    raw = b'{"type":"prefill","v":6,"rid":"r","tag":1,"token_ids":[1],"start_page":0,"last_token":0,"dst_pages":[' + \
+    raw = b'{"type":"prefill","v":7,"rid":"r","tag":1,"token_ids":[1],"start_page":0,"last_token":0,"dst_pages":[' + \
         b"0," * 10**7 + b"0]}"
     t = time.monotonic()
     with pytest.raises(wire.WireError, match=f"exceed {wire.MAX_MESSAGE_BYTES}"):

@@ -80,7 +80,7 @@ def test_a_bad_hello_of_another_version_is_refused_on_the_same_connection(served
     hello = wire.Hello(decoder="d", backend="shmem", provider="", ranks=(), kv=wire.KVSpec(
         model="m", fingerprint="f", num_layers=1, kv_heads=1, head_dim=8, v_head_dim=8, page_size=1, dtype="f",
         layout="hnd", tp=1))
-    to_server_a.send(wire.encode(hello).replace(b'"v":6', b'"v":99'))
+    to_server_a.send(wire.encode(hello).replace(f'"v":{wire.WIRE_VERSION}'.encode(), b'"v":99'))
     _, raw = a.recv(5.0)
     answer = wire.decode(raw)
     assert isinstance(answer, wire.Refuse) and "wire version 99" in answer.reason

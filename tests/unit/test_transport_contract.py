@@ -102,7 +102,8 @@ def test_peer_classes_keep_the_peer_contract(cls):
 
 def test_contract_holds_what_the_messenger_calls():
     assert set(members(Transport)) == {"name", "provider", "address", "instance", "register", "connect", "recv",
-                                       "write_pages", "expect", "retire", "forget", "is_retired", "stats", "close"}
+                                       "write_pages", "expect", "retire", "forget", "is_retired", "landed", "stats",
+                                       "close"}
     assert set(members(TransportPeer)) == {"id", "address", "state", "send", "add_remote_region", "close"}
 
 

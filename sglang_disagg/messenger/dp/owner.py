@@ -146,7 +146,7 @@ class Owner:
         reason = f"DP group {g} of the prefill server could not take the order: {err}"
         try:
             peer.send(wire.encode(wire.OrderFailed(rid=order.rid, tag=order.tag, reason=reason,
-                                                   blame=wire.Blame.SERVER)))
+                                                   blame=wire.Blame.SERVER, posted=0)))
         except Exception as e:  # noqa: BLE001 - a lost decoder fails the order at its own end
             logger.warning("messenger: could not fail order %s back to %s: %s", order.rid, peer.address, e)
 
@@ -266,6 +266,7 @@ class Owner:
                 gw.Retire: lambda chan, g, m: self.backend.retire(m.tag, m.reason),
                 gw.Forget: lambda chan, g, m: self.backend.forget(m.tag),
                 gw.IsRetired: lambda chan, g, m: gw.Answer(m.id, bool(self.backend.is_retired(m.tag))),
+                gw.Landed: lambda chan, g, m: gw.Counters(m.id, {"landed": int(self.backend.landed(m.tag))}),
                 gw.Stats: lambda chan, g, m: gw.Counters(m.id, dict(self.backend.stats())),
                 gw.ClosePeer: self._close_peer,
                 gw.OrderDone: lambda chan, g, m: self.order_done(m.instance, m.tag)}

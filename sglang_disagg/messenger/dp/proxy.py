@@ -133,6 +133,9 @@ class ProxyBackend:
     def is_retired(self, tag: int) -> bool:
         return self.ask(gw.IsRetired, gw.Answer, tag=tag).yes
 
+    def landed(self, tag: int) -> int:
+        return self.ask(gw.Landed, gw.Counters, tag=tag).counters["landed"]
+
     def stats(self) -> dict[str, int]:
         """The owner's backend counters (the last ones read, once the owner is gone)."""
         with contextlib.suppress(PeerLostError):

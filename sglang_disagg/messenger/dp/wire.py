@@ -9,7 +9,7 @@ messages between servers (fields.py): exact fields, every type and bound checked
     owner -> group  Joined                the backend's identity (name, provider, address, instance)
     group -> owner  Register, Connect,    calls with an answer: `id` pairs the answer (Registered,
                     AddRemote, IsRetired, Connected, Added, Answer, Counters) or Failed (the error's
-                    Stats                 backends.errors class and message, and its cause)
+                    Landed, Stats         backends.errors class and message, and its cause)
     group -> owner  WritePages, Expect    their completion comes as Done(`future`)
     group -> owner  Send, Retire, Forget, no answer (a failure is logged at the owner)
                     ClosePeer, OrderDone
@@ -34,7 +34,7 @@ from ...ipc import stream
 from ..fields import Codec
 from ..wire import MAX_MESSAGE_BYTES, MAX_PAGES
 
-GROUP_WIRE_VERSION = 2  # 2: one message per operation, payload beside the header
+GROUP_WIRE_VERSION = 3  # 2: one message per operation, payload beside the header; 3: Landed
 MAX_FRAME = 64 << 20    # a Delivery carries a control message: the longest order (1 Mi tokens) fits
 HEADER = struct.Struct(">I")
 
@@ -141,6 +141,13 @@ class IsRetired(Message):
     tag: int
 
 
+@dataclass(frozen=True, slots=True)
+class Landed(Message):
+    TYPE: ClassVar[str] = "landed"
+    id: int
+    tag: int
+
+
 @_message
 class Stats(Message):
     TYPE: ClassVar[str] = "stats"
@@ -241,8 +248,8 @@ class PeerState(Message):
     state: State
 
 
-CALLS = (Join, Register, Connect, Send, AddRemote, WritePages, Expect, Retire, Forget, IsRetired, Stats, ClosePeer,
-         OrderDone)
+CALLS = (Join, Register, Connect, Send, AddRemote, WritePages, Expect, Retire, Forget, IsRetired, Landed, Stats,
+         ClosePeer, OrderDone)
 ANSWERS = (Joined, Registered, Connected, Added, Answer, Counters, Failed, Done, Delivery, PeerState)
 MESSAGES = {c.TYPE: c for c in CALLS + ANSWERS}
 _MOST = {"WritePages.src_pages": MAX_PAGES, "WritePages.dst_pages": MAX_PAGES, "Registered.descriptor": MAX_FRAME,
