@@ -14,6 +14,7 @@ import time
 
 from . import wire
 from .entry import CANCEL_TIMEOUT_S, LATE_WRITES_S, Cancel, Entry, Phase, Release, Settle, release_step, settle
+from .links import LinkState
 from .metrics import Cause
 from .requests import HANDOFF_ATTR, LOCK_ATTR, fail_request, release
 
@@ -48,8 +49,10 @@ class RequestEndings:
         for e in self.entries.values():
             if e.phase not in (Phase.RELEASE, Phase.QUARANTINE) or e.release:
                 continue
+            link = self.links.links.get(e.link) if e.link else None
             if e.answered:
-                verdict = settle(e, self.backend.landed(e.tag), now)
+                gone = link is None or link.state is LinkState.GONE
+                verdict = settle(e, self.backend.landed(e.tag), now, gone)
                 if verdict is Settle.GIVE_UP:
                     self.stats["late_writes_given_up"] += 1
                     logger.error("messenger: %s: %s posted %d writes, %d arrived in %.0f s after its answer; freeing "
@@ -58,7 +61,6 @@ class RequestEndings:
                 if verdict is not Settle.WAIT:
                     e.release = Release.FREE
                 continue
-            link = self.links.links.get(e.link) if e.link else None
             if release_step(e, link, now) is Cancel.SEND:
                 try:
                     link.send(wire.Cancel(rid=e.req.rid, tag=e.tag))

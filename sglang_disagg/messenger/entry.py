@@ -117,11 +117,12 @@ def lost_verdict(e: Entry, links: dict[str, Any], now: float) -> Lost:
     return Lost.WAIT
 
 
-def settle(e: Entry, landed: int, now: float) -> Settle:
+def settle(e: Entry, landed: int, now: float, gone: bool = False) -> Settle:
     """Leader, for a failed request whose prefill server answered: `landed` is what the backend
     counted of its (retired) tag, -1 when it no longer knows the tag. The first write, taken by
-    the first expectation when it fired, is not in that count."""
-    if e.posted is None or landed < 0:
+    the first expectation when it fired, is not in that count. `gone`: that server's process is
+    known gone since (its link is GONE): what it did not deliver never will be."""
+    if gone or e.posted is None or landed < 0:
         return Settle.FREE
     if landed + int(e.first_landed) >= min(e.posted, e.writes):
         return Settle.FREE

@@ -25,3 +25,8 @@ def failed(posted: int | None, writes: int = 10, first_landed: bool = True) -> E
 ])
 def test_pages_go_once_every_posted_write_is_accounted_for(posted, landed, first, now, verdict):
     assert settle(failed(posted, first_landed=first), landed, now) is verdict
+
+
+def test_a_server_known_gone_since_its_answer_frees_at_once():
+    assert settle(failed(10, first_landed=False), 3, 101.0) is Settle.WAIT
+    assert settle(failed(10, first_landed=False), 3, 101.0, gone=True) is Settle.FREE
