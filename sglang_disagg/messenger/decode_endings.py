@@ -52,12 +52,13 @@ class RequestEndings:
             link = self.links.links.get(e.link) if e.link else None
             if e.answered:
                 gone = link is None or link.state is LinkState.GONE
-                verdict = settle(e, self.backend.landed(e.tag), now, gone)
+                landed = self.backend.landed(e.tag)  # a DP group asks its owner: once
+                verdict = settle(e, landed, now, gone)
                 if verdict is Settle.GIVE_UP:
                     self.stats["late_writes_given_up"] += 1
                     logger.error("messenger: %s: %s posted %d writes, %d arrived in %.0f s after its answer; freeing "
                                  "the pages (a write arriving later would land in reused pages)", e.req.rid, e.link,
-                                 e.posted, self.backend.landed(e.tag) + int(e.first_landed), LATE_WRITES_S)
+                                 e.posted, landed + int(e.first_landed), LATE_WRITES_S)
                 if verdict is not Settle.WAIT:
                     e.release = Release.FREE
                 continue

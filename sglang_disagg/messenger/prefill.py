@@ -331,7 +331,6 @@ class PrefillMessenger(ChunkWrites):
                 m.transfer.observe(max(0.0, t["last_write"] - t["first_post"]))
         if self.intake is not None:
             self.node.dp.order_done(rec.key, rec.order.tag)
-        if self.intake is not None:
             self.finished[(rec.key, rec.order.tag)] = rec.writes
             while len(self.finished) > FINISHED_MAX:
                 self.finished.popitem(last=False)
