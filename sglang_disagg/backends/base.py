@@ -358,7 +358,7 @@ class TransferBackend(ABC):
         got = accept_notification(msg, self._table.live, self._notif_drops)
         if got is None:
             return False
-        self._tracker.add(got.tag, got.count)
+        self._tracker.add(got.tag, got.count, source=got.sender)  # the MAC proved who sent it
         return True
 
     def stats(self) -> dict[str, int]:
@@ -367,7 +367,8 @@ class TransferBackend(ABC):
             base = {"peers": peers, "batches": len(self._batches), "regions": len(self._regions),
                     # what a connection flood cost the control port (control_server.ControlServer)
                     "connections_evicted": self._server.evicted, "connections_refused": self._server.refused}
-        return (base | {"expectations": self._tracker.pending(), "late_writes_dropped": self._tracker.late_writes_dropped}
+        return (base | {"expectations": self._tracker.pending(), "late_writes_dropped": self._tracker.late_writes_dropped,
+                        "foreign_credits_dropped": self._tracker.foreign_credits_dropped}
                 | self._notif_drops.stats() | self._native_stats())
 
     def close(self) -> None:

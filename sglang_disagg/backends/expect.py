@@ -16,6 +16,13 @@ tag comes back only after 2**32 newer ones.
 
 Credits for tags nobody expects (yet) are bounded too, at EARLY_MAX tags, the least recently
 credited dropped first and counted (`early_credits_dropped`); see EARLY_MAX.
+
+Credits are tied to who sent them where the transport says so (`add(..., source=)`: the
+instance id of the peer whose authenticated control frame or notification carried them, on
+shmem, NIXL and Mooncake): an expectation tied to peers counts only their credits, before and
+after it was set, and a retired tag's `landed` only theirs; others are dropped and counted
+(`foreign_credits_dropped`). libfabric's completions name no sender (`source=None`): those
+count for whoever was asked, as any write a registered key allowed could.
 """
 
 from __future__ import annotations
@@ -68,6 +75,11 @@ class ExpectTracker:
         self.late_writes_dropped = 0
         self._early: OrderedDict[int, None] = OrderedDict()  # tags in _counts, not in _waiting; LRU first
         self.early_credits_dropped = 0
+        # An early tag's credits by sender (None: a transport that names none), so that the
+        # expectation that claims them counts only its own peers' (see the module docstring).
+        self._early_from: dict[int, dict[str | None, int]] = {}
+        self._retired_peers: dict[int, frozenset[str]] = {}  # a retired tag's senders, if it had any
+        self.foreign_credits_dropped = 0
         self._waiting: dict[int, _Expectation] = {}
         self._deadlines: list[tuple[float, int, int]] = []  # (deadline, tag, seq)
         self._closed: BaseException | None = None
@@ -86,7 +98,8 @@ class ExpectTracker:
         """Future completed when `count` writes tagged `tag` have landed.
 
         `peer`: instance id(s) of the peers that send them; the loss of any of them fails
-        the expectation at once. None: the loss of any peer fails it.
+        the expectation at once, and credits another peer authenticated do not count toward
+        it. None: the loss of any peer fails it, and any sender's credits count.
         """
         if not 0 <= tag < 2**32:
             raise DescriptorError(f"immediate tag {tag} outside 0..2**32-1")
@@ -103,6 +116,7 @@ class ExpectTracker:
                 raise DescriptorError(f"tag {tag} already has a pending expectation")
             if tag in self._retired:
                 raise DescriptorError(f"tag {tag} belonged to a failed request and is retired")
+            self._claim_early(tag, peers)
             if self._counts.get(tag, 0) >= count:
                 self._consume(tag, count)
                 fire = True
@@ -116,17 +130,26 @@ class ExpectTracker:
             exp.future.set_result(count)
         return exp.future
 
-    def add(self, tag: int, n: int = 1) -> None:
-        """Credit `n` arrivals for `tag` (called from progress threads)."""
+    def add(self, tag: int, n: int = 1, source: str | None = None) -> None:
+        """Credit `n` arrivals for `tag` (called from progress threads). `source`: the instance
+        id of the peer that authenticated them, where the transport knows it."""
         with self._lock:
             if tag in self._retired:
+                if self._foreign(source, self._retired_peers.get(tag)):
+                    self.foreign_credits_dropped += n
+                    return
                 self.late_writes_dropped += n
                 self._retired[tag] += n
                 return
+            exp = self._waiting.get(tag)
+            if exp is not None and self._foreign(source, exp.peers):
+                self.foreign_credits_dropped += n
+                return
             total = self._counts.get(tag, 0) + n
             self._counts[tag] = total
-            exp = self._waiting.get(tag)
             if exp is None:
+                by = self._early_from.setdefault(tag, {})
+                by[source] = by.get(source, 0) + n
                 self._hold_early(tag)
                 return
             if total < exp.count:
@@ -144,6 +167,7 @@ class ExpectTracker:
         with self._lock:
             self._counts.pop(tag, None)
             self._early.pop(tag, None)
+            self._early_from.pop(tag, None)
 
     def retire(self, tag: int, reason: str = "cancelled") -> None:
         """Give up on `tag`: a pending expectation fails with TransferError(reason), and
@@ -201,6 +225,7 @@ class ExpectTracker:
             self._waiting.clear()
             self._counts.clear()
             self._early.clear()
+            self._early_from.clear()
             self._watches.clear()
             self._wake.notify()
         for e in pending:
@@ -217,12 +242,30 @@ class ExpectTracker:
     def _consume(self, tag: int, n: int) -> None:
         """An expectation of `tag` fired (none waits for it any more): what it leaves is early."""
         left = self._counts.get(tag, 0) - n
-        if left > 0:
+        if left > 0:  # counted for its expectation's peers already: no sender to check again
             self._counts[tag] = left
+            self._early_from[tag] = {None: left}
             self._hold_early(tag)
         else:
             self._counts.pop(tag, None)
             self._early.pop(tag, None)
+            self._early_from.pop(tag, None)
+
+    def _foreign(self, source: str | None, peers: frozenset[str] | None) -> bool:
+        """Whether credits from `source` are someone else's than `peers`' (then counted)."""
+        return source is not None and peers is not None and source not in peers
+
+    def _claim_early(self, tag: int, peers: frozenset[str] | None) -> None:
+        """An expectation tied to `peers` takes only their early credits of `tag`."""
+        by = self._early_from.pop(tag, None)
+        if by is None or peers is None:
+            return
+        foreign = sum(n for source, n in by.items() if self._foreign(source, peers))
+        if foreign:
+            self.foreign_credits_dropped += foreign
+            self._counts[tag] -= foreign
+            if not self._counts[tag]:
+                del self._counts[tag]
 
     def _hold_early(self, tag: int) -> None:
         """`tag` holds credits nobody expects yet: keep it, within EARLY_MAX tags."""
@@ -234,16 +277,21 @@ class ExpectTracker:
                 log.warning("credits for more than %d tags nobody expects: dropping the least recent "
                             "(counted in early_credits_dropped)", EARLY_MAX)
             self.early_credits_dropped += self._counts.pop(old, 0)
+            self._early_from.pop(old, None)
 
     def _drop(self, e: _Expectation) -> None:
         del self._waiting[e.tag]
-        self._retire(e.tag)
+        self._retire(e.tag, e.peers)
 
-    def _retire(self, tag: int) -> None:
+    def _retire(self, tag: int, peers: frozenset[str] | None = None) -> None:
         self._early.pop(tag, None)
+        self._claim_early(tag, peers)
+        if peers is not None:  # its late writes count toward `landed` only from its own peers
+            self._retired_peers[tag] = peers
         self._retired[tag] = self._retired.get(tag, 0) + self._counts.pop(tag, 0)
         while len(self._retired) > RETIRED_MAX:
-            self._retired.popitem(last=False)
+            old, _ = self._retired.popitem(last=False)
+            self._retired_peers.pop(old, None)
 
     def _run_timer(self) -> None:
         with self._lock:

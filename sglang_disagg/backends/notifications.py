@@ -14,8 +14,9 @@ have any effect:
 4. `seq`, the sender's count of notifications on that connection, was not seen before
    (ReplayWindow), so a notification captured on the wire and sent again credits nothing.
 Anything else is dropped and counted by reason (NotifDrops) and never blamed on a peer: the
-sender's name is the sender's to choose. A peer holding the secret can still credit tags it has no
-writes for (as it could write wrong KV): credits are not tied to who was asked to write.
+sender's name is the sender's to choose. What a notification credits counts only for an
+expectation tied to its sender (expect.py: `add(..., source=sender)`): a peer holding the secret
+cannot complete another peer's order with notifications of its own.
 """
 
 from __future__ import annotations

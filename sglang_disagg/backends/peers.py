@@ -101,7 +101,7 @@ class PeerTable:
     def __init__(self, config: BackendConfig, lock: threading.Lock, instance: str, *,
                  hello: Callable[[], dict[str, Any]], check: Callable[[dict[str, Any]], None], add_remote: AddRemote,
                  attach: Callable[[Peer], None], detach: Callable[[Peer, PeerState, str], None],
-                 credit: Callable[[int, int], None]) -> None:
+                 credit: Callable[..., None]) -> None:
         # `lock` is the backend's: a batch is submitted only while its peer is CONNECTED
         # under it, and drop() changes the state under it, so no batch escapes a loss.
         self._config, self._lock, self._add_remote = config, lock, add_remote
@@ -238,7 +238,8 @@ class PeerTable:
         if kind == control.MSG:
             self._inbox.put((peer, payload))
         elif kind == control.NOTIFY:
-            self._credit(*parse_notify(payload))
+            tag, count = parse_notify(payload)
+            self._credit(tag, count, source=peer.id)  # this connection's peer: its credits only
 
     def _on_hello(self, conn: control.ControlConn, payload: bytes) -> None:
         with self._lock:

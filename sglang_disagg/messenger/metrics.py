@@ -41,7 +41,8 @@ GAUGES = {  # name -> (help, label)
     "sglang_disagg_metrics_connections_dropped": ("Connections this metrics port cut: evicted for a newcomer "
                                                   "at its connection limit, or past its request deadline", "why"),
     "sglang_disagg_notifications_dropped": ("Data-plane notifications dropped unbelieved (NIXL, Mooncake), by "
-                                            "reason", "reason"),
+                                            "reason; unasked: writes credited by an authenticated peer other than "
+                                            "the one the order went to (shmem, NIXL, Mooncake)", "reason"),
     "sglang_disagg_late_writes": ("Writes of failed requests that arrived after the failure, discarded (a "
                                   "decoder frees such a request's pages once every write its prefill server "
                                   "posted arrived)", "fate"),

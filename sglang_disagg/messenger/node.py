@@ -181,7 +181,8 @@ class Node:
         return {"sglang_disagg_control_connections_dropped": {
                     why: stats.get(f"connections_{why}", 0) for why in ("evicted", "refused")},
                 "sglang_disagg_notifications_dropped": {
-                    reason: stats.get(f"{reason}_notifications_dropped", 0) for reason in NotifDrops.REASONS},
+                    reason: stats.get(f"{reason}_notifications_dropped", 0) for reason in NotifDrops.REASONS}
+                | {"unasked": stats.get("foreign_credits_dropped", 0)},
                 "sglang_disagg_late_writes": {"discarded": stats.get("late_writes_dropped", 0)}}
 
     def owner_gone(self) -> str:

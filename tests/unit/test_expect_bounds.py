@@ -60,3 +60,34 @@ def test_surplus_left_by_an_expectation_is_an_early_credit(tracker):
     tracker.add(5)
     tracker.retire(5)
     assert not tracker._early and held(tracker) == 0
+
+
+def test_credits_count_only_from_the_peers_an_expectation_names(tracker):
+    """A peer holding the secret cannot complete (or, for a failed request, settle) another
+    peer's order with credits of its own: where the transport names the sender, credits count
+    only for expectations tied to it; a transport that names none (source None) counts."""
+    fut = tracker.expect(10, 2, 5.0, "a")
+    tracker.add(10, 1, source="b")
+    assert tracker.arrived(10) == 0 and tracker.foreign_credits_dropped == 1
+    tracker.add(10, 1, source=None)
+    tracker.add(10, 1, source="a")
+    assert fut.wait(1.0) == 2
+    # Early credits: the expectation claims its own peers' only.
+    tracker.add(11, 2, source="b")
+    tracker.add(11, 1, source="a")
+    assert tracker.arrived(11) == 3
+    fut = tracker.expect(11, 2, 5.0, {"a", "c"})
+    assert tracker.arrived(11) == 1 and tracker.foreign_credits_dropped == 3
+    tracker.add(11, 1, source="c")
+    assert fut.wait(1.0) == 2 and held(tracker) == 0
+    # An expectation that names no peer takes any sender's.
+    tracker.add(12, 1, source="b")
+    assert tracker.expect(12, 1, 1.0).wait(0) == 1
+    # A failed request's landed count (what decides when its pages are free) is its peers' only.
+    tracker.expect(13, 5, 5.0, "a")
+    tracker.add(13, 1, source="a")
+    tracker.add(13, 1, source="b")
+    tracker.retire(13)
+    tracker.add(13, 2, source="a")
+    tracker.add(13, 7, source="b")
+    assert tracker.landed(13) == 3 and tracker.foreign_credits_dropped == 3 + 1 + 7
