@@ -74,6 +74,8 @@ class Link:
         self.peer.send(wire.encode(msg))
 
     def describe(self) -> str:
+        if self.state is LinkState.READY and not self.alive():  # its thread marks it DOWN within POLL_S
+            return f"{self.address}: connection just lost ({self.reason})"
         return f"{self.address}: {self.state.value} ({self.reason})"
 
 
@@ -95,8 +97,12 @@ class Links:
         return min(ready, key=lambda link: link.outstanding) if ready else None
 
     def connecting(self) -> bool:
-        """A link may become ready soon: requests wait for it (not for a GONE one)."""
-        return any(link.state in (LinkState.CONNECTING, LinkState.DOWN) for link in self.links.values())
+        """A link may become ready soon: requests wait for it (not for a GONE one). So does a
+        READY link whose connection was lost a moment ago: its thread has not marked it DOWN yet
+        (within POLL_S), and a request arriving then must not fail while the link comes back
+        (seen in tests/e2e/test_relay.py: "no usable prefill server: ...: ready")."""
+        return any(link.state in (LinkState.CONNECTING, LinkState.DOWN)
+                   or (link.state is LinkState.READY and not link.alive()) for link in self.links.values())
 
     def why(self) -> str:
         return "no usable prefill server: " + "; ".join(link.describe() for link in self.links.values())

@@ -113,3 +113,16 @@ def test_an_unknown_link_or_a_link_not_ready_is_left_alone():
     for _ in range(FAIL_STRIKES + 1):
         ls.outcome("p", "boom")
     assert link.state is LinkState.CONNECTING  # only a READY link is taken out of use
+
+
+def test_a_request_waits_for_a_ready_link_whose_connection_was_just_lost():
+    """Between a connection's loss and its link thread marking it DOWN (POLL_S), the link still
+    says READY: a request routed then must wait for the link to come back, not fail with "no
+    usable prefill server: ...: ready" (seen through the relay of tests/e2e/test_relay.py)."""
+    ls = Links(types.SimpleNamespace(backend=None), HELLO, (), 1.0)
+    ls.links["p"] = link = Link("p", 1.0)
+    link.state, link.peer = LinkState.READY, types.SimpleNamespace(state=PeerState.LOST)
+    assert ls.choose() is None and ls.connecting()
+    assert "p: connection just lost" in ls.why()
+    link.state = LinkState.GONE
+    assert not ls.connecting()  # a gone server is not waited for
