@@ -14,8 +14,8 @@ smoke: setup
 	$(PY) -m sglang_disagg.launch --role all --smoke
 
 check-patches: setup
-	$(PY) -m sglang_disagg.patches check
-	$(PY) -m sglang_disagg.patches export --check
+	$(PY) -m sglang_disagg.patchtool check
+	$(PY) -m sglang_disagg.patchtool export --check
 
 test: setup check-patches
 	$(PY) -m pytest tests --durations=25 $(PYTEST_ARGS)

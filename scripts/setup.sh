@@ -92,11 +92,11 @@ fi
 
 # 5. The SGLang patch series. A copy patched with an older series is replaced
 #    by the pristine pinned release first.
-if ! $PY -m sglang_disagg.patches apply; then
+if ! $PY -m sglang_disagg.patchtool apply; then
   version=$(sed -n 's/^version=//p' patches/UPSTREAM)
   log "reinstalling pristine sglang==$version, then applying the series"
   $PIP install --force-reinstall --no-deps "sglang==$version"
-  $PY -m sglang_disagg.patches apply
+  $PY -m sglang_disagg.patchtool apply
 fi
 
 # Our own modules' bytecode, written once: every server process imports them, and

@@ -28,6 +28,7 @@ import socket
 import struct
 import time
 
+from ..ipc import stream
 from .errors import TransferError
 from .frames import FrameKeys
 
@@ -95,15 +96,11 @@ class _Deadline:
         self.sock.sendall(data)
 
     def recv_exact(self, n: int) -> bytes:
-        buf = bytearray()
-        while len(buf) < n:
-            self._arm()
-            chunk = self.sock.recv(n - len(buf))
-            if not chunk:
-                raise AuthError("connection closed during authentication (the peer may have refused our proof: "
-                                "wrong or missing shared secret)")
-            buf += chunk
-        return bytes(buf)
+        try:
+            return stream.recv_exactly(self.sock, n, "authentication", self.at)
+        except EOFError:
+            raise AuthError("connection closed during authentication (the peer may have refused our proof: "
+                            "wrong or missing shared secret)") from None
 
 
 def handshake(sock: socket.socket, secret: bytes | None, dialed: bool, timeout_s: float) -> FrameKeys:

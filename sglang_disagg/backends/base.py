@@ -367,9 +367,7 @@ class TransferBackend(ABC):
             base = {"peers": peers, "batches": len(self._batches), "regions": len(self._regions),
                     # what a connection flood cost the control port (control_server.ControlServer)
                     "connections_evicted": self._server.evicted, "connections_refused": self._server.refused}
-        return (base | {"expectations": self._tracker.pending(), "late_writes_dropped": self._tracker.late_writes_dropped,
-                        "foreign_credits_dropped": self._tracker.foreign_credits_dropped}
-                | self._notif_drops.stats() | self._native_stats())
+        return base | self._tracker.counters() | self._notif_drops.stats() | self._native_stats()
 
     def close(self) -> None:
         if self._closed:

@@ -41,6 +41,7 @@ from . import auth
 from .control_server import ControlServer, Slot, _Throttle  # noqa: F401 - control.X, as before the split
 from .frames import TAG_BYTES, FrameAuthError, FrameKeys
 from .errors import PeerLostError, TransferError
+from ..ipc import stream
 from ..threads import Thread as NamedThread
 
 logger = logging.getLogger("sglang_disagg.backends")
@@ -194,18 +195,12 @@ class ControlConn:
             self._slot.release()
 
     def _recv_exact(self, n: int) -> bytes | None:
-        buf = bytearray()
-        while len(buf) < n:
-            if not self._admitted:  # admitted() runs on this thread: no race with the timeout
-                left = self._deadline - time.monotonic()
-                if left <= 0:
-                    raise socket.timeout
-                self.sock.settimeout(left)
-            chunk = self.sock.recv(n - len(buf))
-            if not chunk:
-                return None
-            buf += chunk
-        return bytes(buf)
+        # Before admission, the handshake's one deadline; admitted() runs on this thread, so
+        # the flag cannot change under a read.
+        try:
+            return stream.recv_exactly(self.sock, n, "the control connection", None if self._admitted else self._deadline)
+        except EOFError:
+            return None
 
     def _read_loop(self) -> None:
         reason = "connection closed by peer"

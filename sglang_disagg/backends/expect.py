@@ -234,6 +234,11 @@ class ExpectTracker:
         if threading.current_thread() is not self._timer:
             self._timer.join(timeout=1.0)
 
+    def counters(self) -> dict[str, int]:
+        """For the backend's stats: pending expectations and what was dropped, by why."""
+        return {"expectations": self.pending(), "late_writes_dropped": self.late_writes_dropped,
+                "foreign_credits_dropped": self.foreign_credits_dropped, "early_credits_dropped": self.early_credits_dropped}
+
     def pending(self) -> int:
         """How many expectations wait (none: a progress thread may sleep)."""
         with self._lock:

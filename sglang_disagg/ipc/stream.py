@@ -33,10 +33,18 @@ class SendTimeout(TimeoutError):
     stuck): part of the frame may have gone, so the channel is of no further use."""
 
 
-def recv_exactly(sock: socket.socket, n: int, what: str = "the stream") -> bytes:
-    """`n` bytes from `sock`; EOFError when the other end closes first."""
+def recv_exactly(sock: socket.socket, n: int, what: str = "the stream", deadline: float | None = None) -> bytes:
+    """`n` bytes from `sock`; EOFError when the other end closes first. With `deadline` (a
+    time.monotonic() instant), socket.timeout once it passed, however slowly the bytes trickle
+    in: one deadline for the whole read, not a timeout per recv (the one reader of exact byte
+    counts: this stream, the control connections' frames and the authentication handshake)."""
     buf = bytearray()
     while len(buf) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:  # settimeout(0) would make the socket non-blocking, not expire it
+                raise socket.timeout
+            sock.settimeout(left)
         chunk = sock.recv(n - len(buf))
         if not chunk:
             raise EOFError(f"the other end closed {what}")
@@ -95,6 +103,13 @@ class Channel:
 
     def close(self) -> None:
         fdpass.shut(self.sock)  # wakes the thread blocked reading it
+
+
+def read_deadline(sock: socket.socket, seconds: float | None) -> None:
+    """Reads of `sock` fail (BlockingIOError) after `seconds` without a byte; None: they wait.
+    A kernel option (SO_RCVTIMEO), so the socket stays blocking and sends keep their own."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                    struct.pack("ll", 0, 0) if seconds is None else _timeval(seconds))
 
 
 def _timeval(seconds: float) -> bytes:

@@ -82,7 +82,7 @@ def check_patches_applied() -> Path:
     if not (pkg / PATCH_MARKER).exists():
         raise PreflightError(
             f"the SGLang at {pkg} does not carry the sglang-disagg patch series; run `make setup` "
-            "or `python -m sglang_disagg.patches apply` from the repository"
+            "or `python -m sglang_disagg.patchtool apply` from the repository"
         )
     return pkg
 

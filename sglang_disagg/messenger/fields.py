@@ -57,10 +57,11 @@ class Codec:
     def encode_parts(self, msg: Any) -> tuple[bytes, bytes]:
         """The JSON header and the payload (b"" for a message without a bytes field)."""
         body: dict[str, Any] = {"type": msg.TYPE, "v": self.version}
+        blob = _payload_field(type(msg))  # the field decode_parts fills from the payload: the same rule both ways
         payload = b""
         for f in fields(msg):
             value = getattr(msg, f.name)
-            if isinstance(value, (bytes, bytearray, memoryview)):
+            if f.name == blob:
                 payload = bytes(value)
             else:
                 body[f.name] = _to_json(value)

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from sglang_disagg.patches.cli import main
-from sglang_disagg.patches.errors import PatchError
-from sglang_disagg.patches.model import SERIES_HEADER, Upstream
-from sglang_disagg.patches.releases import cache_dir, fetch_release
+from sglang_disagg.patchtool.cli import main
+from sglang_disagg.patchtool.errors import PatchError
+from sglang_disagg.patchtool.model import SERIES_HEADER, Upstream
+from sglang_disagg.patchtool.releases import cache_dir, fetch_release
 
 OLD, NEW = "0.5.22", "0.5.23"
 AUTHOR_ENV = {

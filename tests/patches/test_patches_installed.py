@@ -11,7 +11,7 @@ from pathlib import Path
 
 from conftest import NEW, OLD, Cli, edit
 
-from sglang_disagg.patches.installed import MARKER
+from sglang_disagg.patchtool.installed import MARKER
 
 VERSION_PY = "sglang/version.py"
 LINE = "# sglang-disagg: test patch\n"
@@ -141,7 +141,7 @@ def test_errors_have_no_traceback(tmp_path: Path) -> None:
     import sys
 
     proc = subprocess.run(
-        [sys.executable, "-m", "sglang_disagg.patches", "--patches-dir", str(tmp_path), "status"],
+        [sys.executable, "-m", "sglang_disagg.patchtool", "--patches-dir", str(tmp_path), "status"],
         capture_output=True, text=True,
     )
     assert proc.returncode == 1
@@ -193,7 +193,7 @@ def test_repo_root_found_from_cwd(version_patch_repo: Path) -> None:
     import sys
 
     proc = subprocess.run(
-        [sys.executable, "-m", "sglang_disagg.patches", "check", "--no-installed"],
+        [sys.executable, "-m", "sglang_disagg.patchtool", "check", "--no-installed"],
         cwd=version_patch_repo / "patches", capture_output=True, text=True,
     )
     assert proc.returncode == 0, proc.stderr

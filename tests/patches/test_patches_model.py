@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from sglang_disagg.patches.errors import PatchError
-from sglang_disagg.patches.model import Series, Upstream, touched_paths
+from sglang_disagg.patchtool.errors import PatchError
+from sglang_disagg.patchtool.model import Series, Upstream, touched_paths
 
 SHA = "0" * 64
 
@@ -50,3 +50,24 @@ def test_touched_paths() -> None:
     )
     assert touched_paths(patch) == [
         "sglang/a.py", "sglang/new.py", "sglang/old.py", "sglang/moved.py", "sglang/x y.bin"]
+
+
+def test_the_old_tool_name_still_runs_for_one_release_and_says_so() -> None:
+    """`python -m sglang_disagg.patches` (the name before `patchtool`) runs the same tool and
+    prints where it moved; importing it warns."""
+    import subprocess
+    import sys
+    import warnings
+
+    old = subprocess.run([sys.executable, "-m", "sglang_disagg.patches", "--help"], capture_output=True, text=True,
+                         timeout=60)
+    new = subprocess.run([sys.executable, "-m", "sglang_disagg.patchtool", "--help"], capture_output=True, text=True,
+                         timeout=60)
+    assert old.returncode == new.returncode == 0, old.stderr
+    assert "sglang_disagg.patchtool" in old.stderr and "sglang_disagg.patchtool" not in new.stderr
+    assert {"apply", "check", "export", "rebase"} <= set(old.stdout.split()) | {w.strip(",{}") for w in old.stdout.split()}
+    sys.modules.pop("sglang_disagg.patches", None)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        from sglang_disagg.patches.errors import PatchError as old_error
+    assert any("patchtool" in str(w.message) for w in seen) and old_error is PatchError

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from conftest import DISAGG_UTILS, NEW, OLD, Cli
 
-from sglang_disagg.patches.model import Upstream
-from sglang_disagg.patches.rebase import add_changelog_line
+from sglang_disagg.patchtool.model import Upstream
+from sglang_disagg.patchtool.rebase import add_changelog_line
 
 CHANGELOG_LINE = f"- Patch series rebased from SGLang {OLD} to {NEW}."
 

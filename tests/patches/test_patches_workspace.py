@@ -8,9 +8,9 @@ from pathlib import Path
 
 from conftest import NEW, Cli, edit, git_commit_all
 
-from sglang_disagg.patches.gitutil import git_text
-from sglang_disagg.patches.model import Upstream
-from sglang_disagg.patches.repos import upstream_repo
+from sglang_disagg.patchtool.gitutil import git_text
+from sglang_disagg.patchtool.model import Upstream
+from sglang_disagg.patchtool.repos import upstream_repo
 
 
 def _snapshot(patches: Path) -> dict[str, bytes]:

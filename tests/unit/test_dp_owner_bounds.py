@@ -335,3 +335,32 @@ def test_the_owner_refuses_another_user_at_accept_and_goes_on_serving(caplog):
             group.close()
         owner.close()
         backend.close()
+
+
+def test_a_connection_that_never_joins_is_closed_at_the_join_deadline(monkeypatch, caplog):
+    """A process of the server's own user connects to the owner and sends nothing: the owner
+    closes it at JOIN_S (its serving thread ends) and a real group joins and is served meanwhile."""
+    from sglang_disagg.messenger.dp import owner as owner_mod
+
+    caplog.set_level(logging.ERROR, logger="sglang_disagg.messenger")
+    monkeypatch.setattr(owner_mod, "JOIN_S", 0.5)
+    backend = _backend("shmem", None)
+    path = _name()
+    owner = Owner(backend, path, MessengerRole.DECODE, groups=2)
+    silent, group = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM), None
+    try:
+        silent.settimeout(10.0)
+        silent.connect("\0" + path)
+        t0 = time.monotonic()
+        group = ProxyBackend(path, 1, deadline_s=5.0)  # joins beside the silent one
+        assert group.address == backend.address
+        assert silent.recv(1) == b""                   # closed by the owner, not by us
+        took = time.monotonic() - t0
+        assert 0.4 < took < 3.0, f"closed after {took:.2f} s (JOIN_S 0.5)"
+        assert any("sent no Join within 0.5 s" in r.getMessage() for r in caplog.records)
+    finally:
+        silent.close()
+        if group is not None:
+            group.close()
+        owner.close()
+        backend.close()

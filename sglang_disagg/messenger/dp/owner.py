@@ -43,7 +43,7 @@ from typing import Any
 
 from ...backends.errors import PeerLostError, TransferError
 from ...backends.regions import HOST, PeerState
-from ...ipc import fdpass, shm
+from ...ipc import fdpass, shm, stream
 from ...ratelog import RateLog
 from ...threads import Thread as NamedThread
 from .. import wire
@@ -53,6 +53,7 @@ from . import wire as gw
 logger = logging.getLogger("sglang_disagg.messenger")
 STATE_POLL_S = 0.05  # a lost peer must reach the groups within the links' 2 s promise
 SEND_TIMEOUT_S = 1.8  # a group that takes no message for this long is dropped, as a silent peer is
+JOIN_S = 10.0  # a group sends Join as it connects: a connection still silent then is closed (its thread ends)
 
 
 class Owner:
@@ -183,11 +184,17 @@ class Owner:
 
     def _serve(self, chan: gw.Channel) -> None:
         try:
+            stream.read_deadline(chan.sock, JOIN_S)
             join = chan.read()
+            stream.read_deadline(chan.sock, None)  # a joined group's next call may come much later
             if not isinstance(join, gw.Join) or not 0 < join.group < self.groups:
                 raise gw.GroupWireError(f"expected Join of a group in 1..{self.groups - 1}, got {join}")
             b = self.backend
             chan.send(gw.Joined(b.name, b.provider or "", b.address, b.instance))
+        except BlockingIOError:
+            logger.error("messenger: a connection to the DP owner sent no Join within %g s: closed", JOIN_S)
+            chan.close()
+            return
         except (EOFError, OSError, gw.GroupWireError) as e:
             logger.error("messenger: a DP group's connection to the owner failed: %s", e)
             chan.close()

@@ -141,7 +141,7 @@ class IsRetired(Message):
     tag: int
 
 
-@dataclass(frozen=True, slots=True)
+@_message
 class Landed(Message):
     TYPE: ClassVar[str] = "landed"
     id: int

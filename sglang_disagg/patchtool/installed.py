@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
-from sglang_disagg.patches.errors import PatchError
-from sglang_disagg.patches.model import PatchDir
-from sglang_disagg.patches.releases import Installed, require_version
-from sglang_disagg.patches.scratch import Scratch, scratch, series_paths
+from sglang_disagg.patchtool.errors import PatchError
+from sglang_disagg.patchtool.model import PatchDir
+from sglang_disagg.patchtool.releases import Installed, require_version
+from sglang_disagg.patchtool.scratch import Scratch, scratch, series_paths
 
 MARKER = ".sglang_disagg_patches.json"
 
@@ -82,7 +82,7 @@ def _marker_matches(inst: Installed, pd: PatchDir, paths: list[str]) -> bool:
 
 def _write_marker(inst: Installed, pd: PatchDir, patches: list[Path], paths: list[str]) -> None:
     data = {
-        "tool": "python -m sglang_disagg.patches",
+        "tool": "python -m sglang_disagg.patchtool",
         "upstream_version": pd.upstream().version,
         "series_digest": pd.digest(),
         "patches": [p.name for p in patches],

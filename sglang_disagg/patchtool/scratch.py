@@ -13,9 +13,9 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from sglang_disagg.patches.gitutil import git, isolated_apply_env
-from sglang_disagg.patches.model import touched_paths
-from sglang_disagg.patches.releases import extract
+from sglang_disagg.patchtool.gitutil import git, isolated_apply_env
+from sglang_disagg.patchtool.model import touched_paths
+from sglang_disagg.patchtool.releases import extract
 
 
 def series_paths(patches: Iterable[Path]) -> list[str]:

@@ -15,12 +15,12 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from sglang_disagg.patches import repos
-from sglang_disagg.patches.errors import PatchError
-from sglang_disagg.patches.gitutil import git, git_text
-from sglang_disagg.patches.model import Series, Upstream
-from sglang_disagg.patches.repos import CONFIG_KEYS, UPSTREAM_TAG
-from sglang_disagg.patches.scratch import series_paths
+from sglang_disagg.patchtool import repos
+from sglang_disagg.patchtool.errors import PatchError
+from sglang_disagg.patchtool.gitutil import git, git_text
+from sglang_disagg.patchtool.model import Series, Upstream
+from sglang_disagg.patchtool.repos import CONFIG_KEYS, UPSTREAM_TAG
+from sglang_disagg.patchtool.scratch import series_paths
 
 FORMAT_PATCH_ARGS = (
     "format-patch", "--zero-commit", "--no-signature", "--no-numbered", "--keep-subject",
@@ -85,7 +85,7 @@ def workspace_upstream(ws: Path) -> Upstream:
         raise PatchError(f"{ws}: not a workspace (no .git)")
     values = {k: git_text(["config", "--get", f"sglang-disagg.{k}"], ws, check=False) for k in CONFIG_KEYS}
     if not all(values.values()):
-        raise PatchError(f"{ws}: not a workspace made by `python -m sglang_disagg.patches workspace`")
+        raise PatchError(f"{ws}: not a workspace made by `python -m sglang_disagg.patchtool workspace`")
     return Upstream(**values)
 
 

@@ -17,11 +17,11 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from sglang_disagg.patches import check, repos, workspace
-from sglang_disagg.patches.errors import PatchError
-from sglang_disagg.patches.gitutil import git, git_text
-from sglang_disagg.patches.model import PatchDir, Upstream
-from sglang_disagg.patches.releases import fetch_release
+from sglang_disagg.patchtool import check, repos, workspace
+from sglang_disagg.patchtool.errors import PatchError
+from sglang_disagg.patchtool.gitutil import git, git_text
+from sglang_disagg.patchtool.model import PatchDir, Upstream
+from sglang_disagg.patchtool.releases import fetch_release
 
 CHANGELOG = "CHANGELOG.md"
 UNRELEASED = "## [Unreleased]"
@@ -75,7 +75,7 @@ def _instructions(ws: Path, pd: PatchDir, repo_root: Path, old: str, new: str) -
         "  git status                       # files with conflict markers\n"
         "  $EDITOR <files> && git add <files>\n"
         "  git am --continue                # repeat for later patches; `git am --skip` drops a patch\n"
-        f"  python -m sglang_disagg.patches {where} rebase --continue --workspace {ws}\n"
+        f"  python -m sglang_disagg.patchtool {where} rebase --continue --workspace {ws}\n"
         "to abandon: delete the workspace; nothing in the checkout was changed"
     )
 

@@ -14,10 +14,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from sglang_disagg.patches.errors import PatchError
-from sglang_disagg.patches.gitutil import UPSTREAM_AUTHOR, UPSTREAM_DATE, git, git_text
-from sglang_disagg.patches.model import Upstream
-from sglang_disagg.patches.releases import cache_dir, extract, pinned_wheel
+from sglang_disagg.patchtool.errors import PatchError
+from sglang_disagg.patchtool.gitutil import UPSTREAM_AUTHOR, UPSTREAM_DATE, git, git_text
+from sglang_disagg.patchtool.model import Upstream
+from sglang_disagg.patchtool.releases import cache_dir, extract, pinned_wheel
 
 UPSTREAM_TAG = "upstream"
 CONFIG_KEYS = ("version", "archive", "sha256", "package")

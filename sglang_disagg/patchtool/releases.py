@@ -18,8 +18,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from sglang_disagg.patches.errors import PatchError
-from sglang_disagg.patches.model import Upstream
+from sglang_disagg.patchtool.errors import PatchError
+from sglang_disagg.patchtool.model import Upstream
 
 PACKAGE = "sglang"
 CACHE_ENV = "SGLANG_DISAGG_CACHE"
@@ -182,6 +182,6 @@ def require_version(inst: Installed, up: Upstream) -> None:
         raise PatchError(
             f"installed {PACKAGE} is {inst.version} ({inst.site_packages}), but the patch series is "
             f"pinned to {up.version} (patches/UPSTREAM); install {PACKAGE}=={up.version} or rebase "
-            f"the series with `python -m sglang_disagg.patches rebase --to {inst.version}`",
+            f"the series with `python -m sglang_disagg.patchtool rebase --to {inst.version}`",
             exit_code=2,
         )

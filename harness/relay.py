@@ -1,18 +1,20 @@
-"""An on-path attacker for messenger links: a TCP relay a decoder dials instead of its prefill
-server. Every connection's handshake passes untouched (the relay holds no secret, as an
-attacker on the path would not); after it the dialer's sealed frames are parsed and, once
-`arm(mode)` was called, one of them is tampered with in a way that still parses:
+"""An on-path attacker for our control connections: a TCP relay a dialer reaches instead of its
+target. Every connection's handshake passes untouched (the relay holds no secret, as an attacker
+on the path would not); after it the dialer's sealed frames are parsed and, once `arm(mode)` was
+called, the first frame `match(kind, payload)` takes is tampered with, in a way that still parses:
 
-- ``alter``:  a PrefillOrder's first destination page replaced by another page of the same
-  order (in range, valid JSON, the frame's length fixed up; only the seal can tell);
-- ``replay``: a PrefillOrder sent twice;
-- ``inject``: the connection's first message (the decoder's Hello, sealed earlier in this very
-  session) sent again in front of a PrefillOrder;
-- ``swap``:   a PrefillOrder held back and sent after the frame that follows it.
+- ``alter``:  its payload edited by `alter(payload)` (the frame's length fixed up; only the seal
+  can tell): tests/e2e/test_relay.py swaps a PrefillOrder's destination page for another of the
+  same order, tests/backends/test_frame_auth.py edits an in-range page id;
+- ``replay``: sent twice;
+- ``inject``: the connection's first MSG frame (sealed earlier in this very session) sent again in
+  front of it;
+- ``swap``:   held back and sent after the frame that follows it;
+- ``drop``:   never sent.
 
-Frames from the prefill server to the decoder are copied as they are. The relay records
-that it tampered (`done`) and how many connections it carried (a re-link is one more), so a
-test checks that the fault happened before it judges the outcome."""
+Frames from the target to the dialer are copied as they are. The relay records that it tampered
+(`done`) and how many connections it carried (a re-link is one more), so a test checks that the
+fault happened before it judges the outcome."""
 
 from __future__ import annotations
 
@@ -21,17 +23,35 @@ import json
 import socket
 import struct
 import threading
+from collections.abc import Callable
 
 from sglang_disagg.backends import auth, control, frames
 
 FRAME = struct.Struct("!IB")  # backends/control.py: length, kind; then payload and the seal
-MODES = ("alter", "replay", "inject", "swap")
-ORDER = b'"type":"prefill"'
+MODES = ("alter", "replay", "inject", "swap", "drop")
+
+
+def any_message(kind: int, payload: bytes) -> bool:
+    return kind == control.MSG
+
+
+def prefill_order(kind: int, payload: bytes) -> bool:
+    """A messenger PrefillOrder (messenger/wire.py, TYPE "prefill")."""
+    return kind == control.MSG and b'"type":"prefill"' in payload
+
+
+def other_page(payload: bytes) -> bytes:
+    """A PrefillOrder whose first destination page is another page of the same order."""
+    order = json.loads(payload)
+    pages = order["dst_pages"]
+    pages[0] = pages[-1] if len(pages) > 1 and pages[-1] != pages[0] else pages[0] + 1
+    return json.dumps(order, separators=(",", ":")).encode()
 
 
 class Relay:
-    def __init__(self, target: str) -> None:
-        self.target = target
+    def __init__(self, target: str, match: Callable[[int, bytes], bool] = any_message,
+                 alter: Callable[[bytes], bytes] = other_page) -> None:
+        self.target, self.match, self.alter = target, match, alter
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
         self.mode = ""
@@ -97,24 +117,21 @@ class Relay:
                     held = None
                     self._tampered()
                     continue
-                if kind == control.MSG and ORDER in payload and self.armed.is_set() and not self.done.is_set():
+                if self.armed.is_set() and not self.done.is_set() and self.match(kind, payload):
                     if self.mode == "swap":
                         held = frame
                         continue
-                    frame = {"alter": lambda: self._altered(payload, frame), "replay": lambda: frame + frame,
-                             "inject": lambda: first_msg + frame}[self.mode]()
+                    frame = {"alter": lambda: self._altered(kind, payload, frame), "replay": lambda: frame + frame,
+                             "inject": lambda: first_msg + frame, "drop": lambda: b""}[self.mode]()
                     self._tampered()
                 dst.sendall(frame)
         with contextlib.suppress(OSError):
             dst.shutdown(socket.SHUT_RDWR)
 
-    @staticmethod
-    def _altered(payload: bytes, frame: bytes) -> bytes:
-        order = json.loads(payload)
-        pages = order["dst_pages"]
-        pages[0] = pages[-1] if len(pages) > 1 and pages[-1] != pages[0] else pages[0] + 1
-        body = json.dumps(order, separators=(",", ":")).encode()
-        return FRAME.pack(len(body), control.MSG) + body + frame[-frames.TAG_BYTES:]
+    def _altered(self, kind: int, payload: bytes, frame: bytes) -> bytes:
+        body = self.alter(payload)
+        assert body != payload, "the edit changed nothing"
+        return FRAME.pack(len(body), kind) + body + frame[-frames.TAG_BYTES:]
 
     def _tampered(self) -> None:
         self.armed.clear()

@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from sglang_disagg.patches.errors import PatchError
+from sglang_disagg.patchtool.errors import PatchError
 
 UPSTREAM_FILE = "UPSTREAM"
 SERIES_FILE = "series"
@@ -24,7 +24,7 @@ _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
 SERIES_HEADER = (
     "# SGLang patch series, in apply order (one file name per line).\n"
-    "# Maintained by `python -m sglang_disagg.patches export`; see patches/README.md.\n"
+    "# Maintained by `python -m sglang_disagg.patchtool export`; see patches/README.md.\n"
 )
 
 

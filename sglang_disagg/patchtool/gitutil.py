@@ -11,7 +11,7 @@ import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from sglang_disagg.patches.errors import PatchError
+from sglang_disagg.patchtool.errors import PatchError
 
 # Identity and date of the synthetic "Upstream sglang X" commits (deterministic hashes).
 UPSTREAM_AUTHOR = ("SGLang upstream", "upstream@sglang.invalid")

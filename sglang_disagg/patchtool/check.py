@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sglang_disagg.patches.errors import PatchError
-from sglang_disagg.patches.model import PatchDir
-from sglang_disagg.patches.releases import find_installed, pinned_wheel
-from sglang_disagg.patches.scratch import Scratch, scratch, series_paths
+from sglang_disagg.patchtool.errors import PatchError
+from sglang_disagg.patchtool.model import PatchDir
+from sglang_disagg.patchtool.releases import find_installed, pinned_wheel
+from sglang_disagg.patchtool.scratch import Scratch, scratch, series_paths
 
 
 def _apply_pristine(sc: Scratch, pd: PatchDir, lines: list[str]) -> bool:
@@ -46,7 +46,7 @@ def _compare_installed(sc: Scratch, pd: PatchDir, site_packages: Path | None, li
     if differ:
         lines.append(f"FAIL installed sglang in {inst.site_packages} differs from pristine + series in:")
         lines += [f"    {p}" for p in differ]
-        lines.append("    (run `python -m sglang_disagg.patches status` / `apply`)")
+        lines.append("    (run `python -m sglang_disagg.patchtool status` / `apply`)")
         return False
     lines.append(f"ok   installed sglang in {inst.site_packages} matches pristine + series ({len(paths)} file(s))")
     return True

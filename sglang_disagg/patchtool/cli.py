@@ -1,4 +1,4 @@
-"""Command line: ``python -m sglang_disagg.patches {apply,status,check,workspace,export,rebase}``."""
+"""Command line: ``python -m sglang_disagg.patchtool {apply,status,check,workspace,export,rebase}``."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from sglang_disagg.patches import installed, workspace
-from sglang_disagg.patches.errors import PatchError
-from sglang_disagg.patches.model import PatchDir, Series
-from sglang_disagg.patches.releases import find_installed
-from sglang_disagg.patches.repos import UPSTREAM_TAG
+from sglang_disagg.patchtool import installed, workspace
+from sglang_disagg.patchtool.errors import PatchError
+from sglang_disagg.patchtool.model import PatchDir, Series
+from sglang_disagg.patchtool.releases import find_installed
+from sglang_disagg.patchtool.repos import UPSTREAM_TAG
 
 
 def _find_repo_root() -> Path:
@@ -54,19 +54,19 @@ def cmd_workspace(args: argparse.Namespace) -> int:
     up = pd.upstream()
     n = len(pd.series().names)
     if args.version and args.version != up.version:  # the series replayed 3-way, as rebase does
-        from sglang_disagg.patches import rebase
-        from sglang_disagg.patches.releases import fetch_release
+        from sglang_disagg.patchtool import rebase
+        from sglang_disagg.patchtool.releases import fetch_release
 
         target = fetch_release(args.version)
         stopped = rebase.replay(ws, pd, target)
         if stopped:
             raise PatchError(f"{stopped}\nworkspace {ws} kept: resolve, `git add`, `git am --continue`")
         print(f"workspace {ws}: sglang {target.version} + {n} patch commit(s) replayed from the pinned {up.version}")
-        print(f"to move the pin there: python -m sglang_disagg.patches rebase --continue --workspace {ws}")
+        print(f"to move the pin there: python -m sglang_disagg.patchtool rebase --continue --workspace {ws}")
         return 0
     workspace.create(ws, up, pd.patch_paths())
     print(f"workspace {ws}: sglang {up.version} + {n} patch commit(s) on top of tag '{UPSTREAM_TAG}'")
-    print(f"edit with git there, then: python -m sglang_disagg.patches export --from {ws}")
+    print(f"edit with git there, then: python -m sglang_disagg.patchtool export --from {ws}")
     return 0
 
 
@@ -95,7 +95,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         if ws_up.version != up.version:
             raise PatchError(
                 f"workspace {ws} is based on sglang {ws_up.version} but patches/UPSTREAM pins {up.version}; "
-                f"to move the pin use `python -m sglang_disagg.patches rebase --continue --workspace {ws}`"
+                f"to move the pin use `python -m sglang_disagg.patchtool rebase --continue --workspace {ws}`"
             )
         exported = workspace.export(ws)
     elif args.check:
@@ -125,7 +125,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from sglang_disagg.patches import check
+    from sglang_disagg.patchtool import check
 
     pd = _patch_dir(args)
     sp = None if args.no_installed else _opt_path(args.site_packages)
@@ -135,7 +135,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_rebase(args: argparse.Namespace) -> int:
-    from sglang_disagg.patches import rebase
+    from sglang_disagg.patchtool import rebase
 
     pd = _patch_dir(args)
     root = _repo_root(args, pd)
@@ -161,7 +161,7 @@ def _opt_path(value: str | None) -> Path | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m sglang_disagg.patches", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m sglang_disagg.patchtool", description=__doc__)
     p.add_argument("--repo-root", help="repository root (default: found from cwd; has patches/UPSTREAM)")
     p.add_argument("--patches-dir", help="patch directory (default: REPO_ROOT/patches)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
