@@ -64,6 +64,7 @@ RETIRED_MAX = 1 << 16
 # so the least recently credited tags are the ones dropped (and counted); a dropped tag's
 # expectation, if one ever comes, misses its deadline like one whose writes were lost.
 EARLY_MAX = 1 << 16
+FIRED_MAX = 4096  # tags whose expectation fired, remembered with its peers (far above requests in flight)
 
 
 class ExpectTracker:
@@ -79,6 +80,10 @@ class ExpectTracker:
         # expectation that claims them counts only its own peers' (see the module docstring).
         self._early_from: dict[int, dict[str | None, int]] = {}
         self._retired_peers: dict[int, frozenset[str]] = {}  # a retired tag's senders, if it had any
+        # The peers of a tag whose expectation fired, for a retire before the expectation of its
+        # rest (the decoder expects the first write alone): needed for as long as a request is in
+        # flight, so FIRED_MAX recent tags; an older one falls back to counting any sender.
+        self._fired_peers: OrderedDict[int, frozenset[str]] = OrderedDict()
         self.foreign_credits_dropped = 0
         self._waiting: dict[int, _Expectation] = {}
         self._deadlines: list[tuple[float, int, int]] = []  # (deadline, tag, seq)
@@ -119,6 +124,7 @@ class ExpectTracker:
             self._claim_early(tag, peers)
             if self._counts.get(tag, 0) >= count:
                 self._consume(tag, count)
+                self._fired(tag, peers)
                 fire = True
             else:
                 self._waiting[tag] = exp
@@ -156,6 +162,7 @@ class ExpectTracker:
                 return
             del self._waiting[tag]
             self._consume(tag, exp.count)
+            self._fired(tag, exp.peers)
         exp.future.set_result(exp.count)
 
     def arrived(self, tag: int) -> int:
@@ -168,6 +175,7 @@ class ExpectTracker:
             self._counts.pop(tag, None)
             self._early.pop(tag, None)
             self._early_from.pop(tag, None)
+            self._fired_peers.pop(tag, None)
 
     def retire(self, tag: int, reason: str = "cancelled") -> None:
         """Give up on `tag`: a pending expectation fails with TransferError(reason), and
@@ -176,8 +184,8 @@ class ExpectTracker:
             e = self._waiting.get(tag)
             if e is not None:
                 self._drop(e)
-            else:
-                self._retire(tag)
+            else:  # between two expectations of it, the first's peers still say whose writes count
+                self._retire(tag, self._fired_peers.get(tag))
         if e is not None:
             e.future.set_exception(TransferError(f"tag {tag}: {reason}"))
 
@@ -226,6 +234,7 @@ class ExpectTracker:
             self._counts.clear()
             self._early.clear()
             self._early_from.clear()
+            self._fired_peers.clear()
             self._watches.clear()
             self._wake.notify()
         for e in pending:
@@ -255,6 +264,13 @@ class ExpectTracker:
             self._counts.pop(tag, None)
             self._early.pop(tag, None)
             self._early_from.pop(tag, None)
+
+    def _fired(self, tag: int, peers: frozenset[str] | None) -> None:
+        if peers is not None:
+            self._fired_peers[tag] = peers
+            self._fired_peers.move_to_end(tag)
+            while len(self._fired_peers) > FIRED_MAX:
+                self._fired_peers.popitem(last=False)
 
     def _foreign(self, source: str | None, peers: frozenset[str] | None) -> bool:
         """Whether credits from `source` are someone else's than `peers`' (then counted)."""
@@ -291,6 +307,7 @@ class ExpectTracker:
     def _retire(self, tag: int, peers: frozenset[str] | None = None) -> None:
         self._early.pop(tag, None)
         self._claim_early(tag, peers)
+        self._fired_peers.pop(tag, None)
         if peers is not None:  # its late writes count toward `landed` only from its own peers
             self._retired_peers[tag] = peers
         self._retired[tag] = self._retired.get(tag, 0) + self._counts.pop(tag, 0)

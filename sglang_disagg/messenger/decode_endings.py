@@ -13,7 +13,8 @@ import os
 import time
 
 from . import wire
-from .entry import CANCEL_TIMEOUT_S, LATE_WRITES_S, Cancel, Entry, Phase, Release, Settle, release_step, settle
+from .entry import (CANCEL_TIMEOUT_S, LATE_WRITES_S, Cancel, Entry, Phase, Release, Settle, release_step, settle,
+                    settle_due)
 from .links import LinkState
 from .metrics import Cause
 from .requests import HANDOFF_ATTR, LOCK_ATTR, fail_request, release
@@ -52,7 +53,9 @@ class RequestEndings:
             link = self.links.links.get(e.link) if e.link else None
             if e.answered:
                 gone = link is None or link.state is LinkState.GONE
-                landed = self.backend.landed(e.tag)  # a DP group asks its owner: once
+                if not gone and not settle_due(e, now):
+                    continue
+                landed = -1 if gone else self.backend.landed(e.tag)  # a DP group asks its owner: once
                 verdict = settle(e, landed, now, gone)
                 if verdict is Settle.GIVE_UP:
                     self.stats["late_writes_given_up"] += 1

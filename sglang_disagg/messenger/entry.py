@@ -28,6 +28,9 @@ LOST_VERDICT_S = 1.0  # how long a request lost before any write waits to learn 
 # network heals (seen: 1.8 s after the answer); one that broke never will. Past this the pages
 # are freed (logged, counted): a write still on its way after that would land in reused pages.
 LATE_WRITES_S = 30.0
+# Such a request is looked at this often at most while it waits: each look of a DP group asks its
+# owner for the tag's count (a round trip), and a scheduler steps far more often than this.
+SETTLE_POLL_S = 0.02
 
 
 class Phase(enum.Enum):
@@ -97,6 +100,7 @@ class Entry:
     rerouted: bool = False        # it was re-routed once already
     answered: float = 0.0         # leader: when its prefill server said Released/OrderFailed (0: not yet)
     posted: int | None = None     # leader: writes that server posted with the tag (None: it did not know)
+    settle_looked: float = 0.0    # leader: when its late writes were last counted (settle_due)
     times: dict = field(default_factory=dict)  # monotonic timestamps of the lifecycle
 
 
@@ -127,6 +131,14 @@ def settle(e: Entry, landed: int, now: float, gone: bool = False) -> Settle:
     if landed + int(e.first_landed) >= min(e.posted, e.writes):
         return Settle.FREE
     return Settle.GIVE_UP if now - e.answered > LATE_WRITES_S else Settle.WAIT
+
+
+def settle_due(e: Entry, now: float) -> bool:
+    """Leader: whether to count a waiting failed request's late writes now (SETTLE_POLL_S)."""
+    if now - e.settle_looked < SETTLE_POLL_S:
+        return False
+    e.settle_looked = now
+    return True
 
 
 def release_step(e: Entry, link: Any, now: float) -> Cancel:

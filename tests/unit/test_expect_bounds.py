@@ -91,3 +91,20 @@ def test_credits_count_only_from_the_peers_an_expectation_names(tracker):
     tracker.add(13, 2, source="a")
     tracker.add(13, 7, source="b")
     assert tracker.landed(13) == 3 and tracker.foreign_credits_dropped == 3 + 1 + 7
+
+
+def test_a_tag_retired_between_its_two_expectations_still_counts_only_its_peers(tracker):
+    """The decoder expects a request's first write alone, then the rest: a request failing in
+    between retires a tag with no expectation waiting. Its `landed` count (which frees the pages)
+    still takes only the first expectation's peers' writes."""
+    first = tracker.expect(20, 1, 5.0, "a")
+    tracker.add(20, 1, source="a")                    # the first write: the first expectation fires
+    assert first.wait(1.0) == 1
+    tracker.add(20, 2, source="b")                    # early, from a peer that was not asked
+    tracker.add(20, 1, source="a")                    # early, from the asked peer
+    tracker.retire(20)
+    assert tracker.landed(20) == 1 and tracker.foreign_credits_dropped == 2
+    tracker.add(20, 3, source="b")
+    tracker.add(20, 1, source="a")
+    assert tracker.landed(20) == 2 and tracker.foreign_credits_dropped == 5
+    assert not tracker._fired_peers  # retired: remembered as the retired tag's peers instead

@@ -30,3 +30,14 @@ def test_pages_go_once_every_posted_write_is_accounted_for(posted, landed, first
 def test_a_server_known_gone_since_its_answer_frees_at_once():
     assert settle(failed(10, first_landed=False), 3, 101.0) is Settle.WAIT
     assert settle(failed(10, first_landed=False), 3, 101.0, gone=True) is Settle.FREE
+
+
+def test_a_waiting_request_is_counted_at_most_every_settle_poll():
+    """Each count of a DP group's late writes is a round trip to its owner: a request waiting
+    for them (up to LATE_WRITES_S) is looked at every SETTLE_POLL_S, not every scheduler step."""
+    from sglang_disagg.messenger.entry import SETTLE_POLL_S, settle_due
+
+    e = failed(10)
+    assert settle_due(e, 200.0)
+    assert not settle_due(e, 200.0 + SETTLE_POLL_S / 2)
+    assert settle_due(e, 200.0 + SETTLE_POLL_S)
