@@ -219,3 +219,11 @@ def references(tmp_path_factory):
 
 structured_refs: dict[str, dict] = {}
 conversation_refs: dict[str, list[list[int]]] = {}
+
+
+@pytest.fixture(scope="session")
+def deepseek_reference(tmp_path_factory, stacks):
+    """The colocated TP 1 tiny-deepseek-v3 answers the MLA tests compare with (deepseek_pd.py)."""
+    from .deepseek_pd import colocated_reference
+
+    return colocated_reference(stacks, tmp_path_factory.mktemp("deepseek-pd"))

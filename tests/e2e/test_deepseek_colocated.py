@@ -27,7 +27,6 @@ pytestmark = pytest.mark.e2e
 
 MODEL = "tiny-deepseek-v3"
 DP_TOKENS = 8
-COLOCATED = StackSpec(role=Role.COLOCATED, model=MODEL)
 
 
 def reference(spec, path, prompts: list[list[int]]) -> list[list[int]]:
@@ -46,10 +45,12 @@ def assert_reference(got, expected, prompts, what):
         assert g == e, f"prompt {i} ({len(prompts[i])} tokens): {what} {g} != float64 reference {e}"
 
 
-def test_tiny_deepseek_v3_serves_the_suite_prompts_deterministically(stacks):
+def test_tiny_deepseek_v3_serves_the_suite_prompts_deterministically(stacks, deepseek_reference):
+    """On the stack of the MLA tests' reference (deepseek_pd.py; started for it, kept running)."""
     prompts = prompts_for(MODEL)
-    stack = stacks.get(COLOCATED)
+    stack = stacks.get(deepseek_reference.spec)
     outputs = run_sequential(stack.url, prompts)
+    assert_same(outputs, deepseek_reference.outputs, prompts)  # what the MLA messenger tests compare with
     assert all(len(o) == OUTPUT_TOKENS for o in outputs)
     assert_same(run_sequential(stack.url, prompts), outputs, prompts)  # again: now from the radix cache
     assert_same(run_concurrent(stack.url, prompts), outputs, prompts)

@@ -12,9 +12,6 @@ and layer per destination rank. Checked, against one colocated TP 1 server of th
 - the source is random and really is the one read: a fault zeroes TP rank 1's copy of what
   it is about to send (its forward is over, rank 0's copy stays right); exactly the requests
   whose draw picked rank 1 come out different, and both ranks were picked;
-- a decoder missing one layer's pages (layer 2) differs (the comparison can fail); first
-  contact refuses a decoder whose latent geometry differs, naming it; a control connection
-  dropped mid-transfer frees every page on both sides and the next request is exact;
 - a DeepSeek-V2 checkpoint without q LoRA (generated here) on one pair, against its float64
   reference (the colocated tests show the served tokens equal it);
 - NEXTN (MTP, one draft step, top-k 1) across the boundary, TP 2 -> 1: tokens, verification
@@ -22,12 +19,10 @@ and layer per destination rank. Checked, against one colocated TP 1 server of th
   server's without MTP); the decoder's draft latent equals the colocated one; zeroing the
   draft's latent on arrival changes the acceptance; a decoder without MTP is refused by a
   prefill server with it, naming NEXTN.
+Faults and refusals of the MLA path: test_deepseek_faults.py.
 """
 
 from __future__ import annotations
-
-import random
-import time
 
 import pytest
 import torch
@@ -35,72 +30,26 @@ import torch
 from harness.deepseek import V2_NO_Q_LORA, checkpoint
 from sglang_disagg.backends import BackendConfig, auth, create_backend
 from sglang_disagg.launch import Role
-from sglang_disagg.launch.client import generate_ids, greedy, post_json
 from sglang_disagg.messenger import compat, wire
 from sglang_disagg.messenger.faults import ENV as FAULT_ENV
 from sglang_disagg.messenger.links import REFUSED_MARK
 from sglang_disagg.messenger.planner import pages_for
-from sglang_disagg.models import ensure_model, get_spec
+from sglang_disagg.models import ensure_model
 from sglang_disagg.testsupport import DUMP_ENV
 
-from .conftest import OUTPUT_TOKENS, StackSpec, assert_same, prompts_for, run_concurrent, start_stack, structured
-from .faultlib import (FAULT_DEADLINE_S, Call, drop_connections, first_contact, long_prompt, scrape, value, wait_for,
-                       wait_released)
+from .conftest import StackSpec, assert_same, prompts_for, run_concurrent, start_stack, structured
+from .deepseek_pd import LAYERS, MODEL, MTP, PAGE, draw_prompts, kv_writes, run_prompts
+from .faultlib import first_contact, wait_for
 from .test_deepseek_colocated import reference
 
 pytestmark = pytest.mark.e2e
 
-MODEL = "tiny-deepseek-v3"
-PAGE = 16  # the messenger's default page size
-LAYERS = get_spec(MODEL).num_layers  # the target's; NEXTN is not loaded without speculation
-
-
-def draw_prompts(n: int = 12) -> list[list[int]]:
-    """Distinct one-chunk prompts of 20 tokens with distinct first tokens: no two share a
-    page, so no prefill forward ever reads another request's (corrupted) latent."""
-    rng = random.Random(27)
-    firsts = rng.sample(range(10, 4000), n)
-    return [[f] + [rng.randrange(10, 4000) for _ in range(19)] for f in firsts]
-
-
-MTP = ("--speculative-algorithm", "NEXTN", "--speculative-num-steps", "1", "--speculative-eagle-topk", "1",
-       "--speculative-num-draft-tokens", "2")
-STATS = ("spec_verify_ct", "spec_correct_drafts_histogram", "completion_tokens")
-
-
-def _run(url: str, prompts, rid: str | None = None, stats: bool = False) -> list:
-    out = []
-    for i, p in enumerate(prompts):
-        extra = {"rid": f"kvdump-{rid}-{i}"} if rid else {}
-        r = post_json(f"{url}/generate", {"input_ids": p, "sampling_params": greedy(OUTPUT_TOKENS), **extra})
-        tokens = list(r["output_ids"])
-        out.append((tokens, {k: r["meta_info"].get(k) for k in STATS}) if stats else tokens)
-    return out
-
-
-json_refs: dict[str, dict] = {}  # the colocated server's JSON-schema constrained answer
-
-
 @pytest.fixture(scope="module")
-def colocated(tmp_path_factory, stacks):
-    """The colocated TP 1 reference: the suite's prompts (with latent dumps, rid
-    kvdump-col-i), the draw prompts."""
+def colocated(deepseek_reference, stacks):
+    """The colocated TP 1 reference (deepseek_pd.py); its stack stops here (these tests start
+    stacks of their own, and one idle server would still compete for the 2 cores)."""
     stacks.close()
-    root = tmp_path_factory.mktemp("deepseek-pd")
-    dumps = root / "dumps"
-    dumps.mkdir()
-    stack = start_stack(root, StackSpec(role=Role.COLOCATED, model=MODEL, env=((DUMP_ENV, str(dumps)),)))
-    try:
-        prompts = prompts_for(MODEL)
-        out = root, dumps, prompts, _run(stack.url, prompts, rid="col"), _run(stack.url, draw_prompts())
-        json_refs[MODEL] = structured(stack.url, prompts[-1])
-        return out
-    finally:
-        stack.stop()
-
-
-def _writes(stack, role: str = "decode") -> float:
-    return value(scrape("127.0.0.1", getattr(stack.cfg.ports, f"{role}_metrics")), "sglang_disagg_kv_writes_total")
+    return deepseek_reference
 
 
 # Every TP pair and every backend once; the latent crosses the transfer libraries' own write
@@ -116,7 +65,7 @@ PAIRS = [
 
 @pytest.mark.parametrize("backend,provider,prefill_tp,decode_tp", PAIRS)
 def test_tp_pair_matches_colocated(colocated, backend, provider, prefill_tp, decode_tp):
-    root, dumps, prompts, expected, _ = colocated
+    root, dumps, prompts, expected = colocated.root, colocated.dumps, colocated.prompts, colocated.outputs
     tag = f"dis-{backend}-{prefill_tp}{decode_tp}"
     stack = start_stack(root, StackSpec(model=MODEL, backend=backend, provider=provider, prefill_tp=prefill_tp,
                                         decode_tp=decode_tp, env=((DUMP_ENV, str(dumps)),)))
@@ -124,17 +73,17 @@ def test_tp_pair_matches_colocated(colocated, backend, provider, prefill_tp, dec
         decoder = f"http://127.0.0.1:{stack.cfg.ports.decode}"
         wait_for("the readiness probe handed off", lambda: sum(stack.messenger_stats("decode")["in_flight"]
                                                                .values()) == 0, 10, 0.05)
-        before = _writes(stack)
-        assert_same(_run(decoder, prompts, rid=tag), expected, prompts)  # by the decoder's port: rids name dumps
+        before = kv_writes(stack)
+        assert_same(run_prompts(decoder, prompts, rid=tag), expected, prompts)  # by the decoder's port: rids name dumps
         wait_for("every hand-off recorded", lambda: sum(
             str(r["rid"]).startswith(f"kvdump-{tag}-") for r in stack.messenger_stats("decode")["recent"])
             >= sum(len(p) >= 2 for p in prompts), 10, 0.05)
         mine = [r for r in stack.messenger_stats("decode")["recent"] if str(r["rid"]).startswith(f"kvdump-{tag}-")]
-        writes = _writes(stack) - before
+        writes = kv_writes(stack) - before
         assert_same(run_concurrent(stack.url, prompts), expected, prompts)
         # Structured output: the decoder's grammar over KV that arrived (the prompt's radix hit).
         got_json = structured(stack.url, prompts[-1])
-        assert got_json["output_ids"] == json_refs[MODEL]["output_ids"], (got_json["text"], json_refs[MODEL]["text"])
+        assert got_json["output_ids"] == colocated.json["output_ids"], (got_json["text"], colocated.json["text"])
         assert not stack.dead()
         decode, prefill = stack.messenger_stats("decode"), stack.messenger_stats("prefill")
     finally:
@@ -163,13 +112,13 @@ def test_tp_pair_matches_colocated(colocated, backend, provider, prefill_tp, dec
 
 def test_the_drawn_source_is_the_one_read(colocated):
     """TP 2 -> 1 with rank 1's copy zeroed before it is sent: exactly its draws differ."""
-    root, _, _, _, expected = colocated
+    root, expected = colocated.root, colocated.draws
     prompts = draw_prompts()
     stack = start_stack(root, StackSpec(model=MODEL, backend="shmem", prefill_tp=2,
                                         env=((FAULT_ENV, "corrupt_source:1"),)))
     try:
         decoder = f"http://127.0.0.1:{stack.cfg.ports.decode}"
-        got = _run(decoder, prompts, rid="draw")
+        got = run_prompts(decoder, prompts, rid="draw")
         rids = {f"kvdump-draw-{i}" for i in range(len(prompts))}
         wait_for("every order recorded", lambda: rids <= {r["rid"] for r in stack.messenger_stats("prefill")["recent"]},
                  10, 0.05)
@@ -182,82 +131,13 @@ def test_the_drawn_source_is_the_one_read(colocated):
     assert differ == drew_1, f"differing {sorted(differ)}, drew the corrupted rank {sorted(drew_1)}"
 
 
-def _refusal(stack, **latent) -> str:
-    """First contact from a hand-made decoder whose latent is this server's but for `latent`:
-    the link's reason."""
-    secret = auth.load_secret({auth.SECRET_FILE_ENV: stack.cfg.secret_file})
-    backend = create_backend("libfabric", BackendConfig(provider="tcp", host="127.0.0.1", port=0, secret=secret))
-    fields = dict(model=MODEL, fingerprint=compat.fingerprint(str(ensure_model(MODEL))), num_layers=LAYERS,
-                  kv_heads=1, head_dim=160, v_head_dim=0, page_size=PAGE, dtype="float32", layout="hnd", tp=1,
-                  kv_lora_rank=128, rope_dim=32, replicated=True)
-    hello = wire.Hello(decoder="test", backend="libfabric", provider="tcp", kv=wire.KVSpec(**fields | latent),
-                       ranks=())
-    link, _ = first_contact(backend, hello, f"127.0.0.1:{stack.cfg.ports.bootstrap}")
-    assert REFUSED_MARK in link.reason, link.reason
-    return link.reason
-
-
-def _geometry_refused(stack) -> None:
-    """Decoders whose latent differs, against the live prefill server: refused at first
-    contact, naming what differs: the latent's parts (kv_lora_rank 64 + rope 32), or its
-    dtype alone (bf16 pages would read the float32 latent as garbage)."""
-    reason = _refusal(stack, head_dim=96, kv_lora_rank=64)
-    assert "kv_lora_rank differs (decoder: 64, prefill: 128)" in reason, reason
-    assert "head_dim differs (decoder: 96, prefill: 160)" in reason, reason
-    assert "rope_dim" not in reason and "replicated" not in reason, reason
-    reason = _refusal(stack, dtype="bfloat16")
-    assert "dtype differs (decoder: bfloat16, prefill: float32)" in reason, reason
-    assert "kv_lora_rank" not in reason and "head_dim" not in reason, reason
-
-
-def test_missing_layer_differs_refusal_and_dropped_connection(colocated):
-    """Negative control (layer 2's pages zeroed on arrival: every carried prompt differs),
-    the latent-geometry refusal, and a control connection dropped mid-transfer."""
-    root, _, prompts, expected, _ = colocated
-    stack = start_stack(root, StackSpec(model=MODEL, backend="libfabric", provider="tcp",
-                                        env=((FAULT_ENV, "zero_kv:layers=2"),)))
-    try:
-        carried = [i for i, p in enumerate(prompts) if len(p) >= 2]
-        got = [generate_ids(stack.url, prompts[i], OUTPUT_TOKENS) for i in carried]
-        differ = [i for i, g in zip(carried, got) if g != expected[i]]
-        # The long prompt's repeat takes its pages from the decoder's radix tree (nothing carried).
-        assert len(differ) >= len(carried) - 1, f"only prompts {differ} of {carried} differ without layer 2"
-        _geometry_refused(stack)
-
-        writes = lambda: _writes(stack, "prefill")  # noqa: E731
-        failed = lambda: value(scrape("127.0.0.1", stack.cfg.ports.decode_metrics),  # noqa: E731
-                               "sglang_disagg_requests_total", outcome="failed")
-        link_ready = lambda: {v["state"] for v in  # noqa: E731
-                              (stack.messenger_stats("decode") or {}).get("links", {}).values()} == {"ready"}
-        for attempt in range(3):  # the drop must land while the KV is in flight, verified below
-            before, failed_before = writes(), failed()
-            call = Call(stack.url, long_prompt(2000, 27 + 100 * attempt), 4)
-            wait_for("prefill writing", lambda: writes() > before, 30, 0.005)
-            t0 = time.monotonic()
-            drop_connections(stack.cfg.ports.bootstrap)
-            call.result()
-            if failed() > failed_before:  # the decoder failed it mid-transfer (the router may retry it)
-                break
-            print(f"attempt {attempt}: the transfer had finished before the drop; again")
-            wait_for("the link back", link_ready, 10, 0.1)
-        else:
-            pytest.fail("in 3 tries the control connection never dropped while KV was in flight")
-        _, leak_d = wait_released("127.0.0.1", stack.cfg.ports.decode_metrics, t0, FAULT_DEADLINE_S + 3)
-        _, leak_p = wait_released("127.0.0.1", stack.cfg.ports.prefill_metrics, t0, FAULT_DEADLINE_S + 3)
-        assert leak_d == 0 and leak_p == 0
-        wait_for("the link back", link_ready, 10, 0.1)
-        assert generate_ids(stack.url, prompts[0], OUTPUT_TOKENS) == expected[0]  # 1 token: never carried
-    finally:
-        stack.stop()
-
-
 def test_v2_without_q_lora_through_the_messenger(tmp_path_factory, colocated):
-    root = colocated[0]
+    root = colocated.root
     path = checkpoint(V2_NO_Q_LORA, tmp_path_factory.mktemp("deepseek-v2"))
     prompts = prompts_for(MODEL)
     stack = start_stack(root, StackSpec(model=str(path), backend="shmem", prefill_tp=2))
     try:
-        got = _run(stack.url, prompts)
+        got = run_prompts(stack.url, prompts)
         assert_same(run_concurrent(stack.url, prompts), got, prompts)
     finally:
         stack.stop()
@@ -273,12 +153,12 @@ def _mtp(root, role: Role, env=(), **kw):
 def test_nextn_across_the_boundary(colocated):
     """Colocated MTP, then messenger MTP TP 2 -> 1 (random sources for target and draft
     latent alike), then a decoder that zeroes the draft's layer on arrival."""
-    root, _, prompts, plain, _ = colocated
+    root, prompts, plain = colocated.root, colocated.prompts, colocated.outputs
     dumps = root / "mtp-dumps"
     dumps.mkdir()
     stack = _mtp(root, Role.COLOCATED, env=((DUMP_ENV, str(dumps)),))
     try:
-        expected = _run(stack.url, prompts, rid="col", stats=True)
+        expected = run_prompts(stack.url, prompts, rid="col", stats=True)
     finally:
         stack.stop()
     assert [t for t, _ in expected] == plain, "MTP changed the colocated tokens"
@@ -286,8 +166,8 @@ def test_nextn_across_the_boundary(colocated):
 
     stack = _mtp(root, Role.ALL, env=((DUMP_ENV, str(dumps)),), backend="shmem", prefill_tp=2)
     try:
-        got = _run(f"http://127.0.0.1:{stack.cfg.ports.decode}", prompts, rid="dis", stats=True)
-        assert [t for t, _ in _run(stack.url, prompts[:3], stats=True)] == [t for t, _ in expected[:3]]
+        got = run_prompts(f"http://127.0.0.1:{stack.cfg.ports.decode}", prompts, rid="dis", stats=True)
+        assert [t for t, _ in run_prompts(stack.url, prompts[:3], stats=True)] == [t for t, _ in expected[:3]]
     finally:
         stack.stop()
     for i, ((tokens, stats), (ref_tokens, ref_stats)) in enumerate(zip(got, expected)):
@@ -309,7 +189,7 @@ def test_nextn_across_the_boundary(colocated):
     # keeps the tokens); and a decoder without MTP is refused by this prefill server.
     stack = _mtp(root, Role.ALL, env=((FAULT_ENV, "zero_kv:layers=last"),), backend="libfabric", provider="tcp")
     try:
-        cold = _run(stack.url, prompts, stats=True)
+        cold = run_prompts(stack.url, prompts, stats=True)
         secret = auth.load_secret({auth.SECRET_FILE_ENV: stack.cfg.secret_file})
         backend = create_backend("libfabric", BackendConfig(provider="tcp", host="127.0.0.1", port=0, secret=secret))
         kv = wire.KVSpec(model=MODEL, fingerprint=compat.fingerprint(str(ensure_model(MODEL))), num_layers=LAYERS,

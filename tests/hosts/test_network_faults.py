@@ -24,14 +24,21 @@ import pytest
 
 from e2e.faultlib import FAULT_DEADLINE_S, SILENT_PEER_DEADLINE_S, leaked_pages, row, value, wait_for
 from harness.hosts import netns, shaping
+from sglang_disagg.messenger.entry import LATE_WRITES_S
 
 from .conftest import LONG_OUTPUT, OUTPUT_TOKENS
 from .netfaults import HEARTBEAT_S, LAYOUT, RATE_MBIT, TRANSFER_TIMEOUT_S, NetFaults
 
 pytestmark = pytest.mark.e2e
-# After a cut link comes back, TCP retransmits what was queued in it after its backed-off timer
-# (up to seconds): the failed request's writes arrive then, and its pages are freed after them.
-DRAIN_S = 10.0
+# After a cut link comes back, what was queued in the prefill's data connection is sent again
+# and the failed request's pages are freed once its writes arrived. Seen here: 2.4-2.7 s after
+# N6's cable came back, also with the cut held 20 s longer (our reading: a sender whose own link
+# is down sees local send errors, retried on a short timer rather than TCP's backed-off one); in
+# CI once still held 5 s after (cause not captured: the assertions now print the servers'
+# messenger lines). The product's promise bounds the wait: the pages go once every posted write
+# arrived, or LATE_WRITES_S after the prefill's answer, which comes after healing: that plus
+# slack is what a test waits (it returns as soon as they are free).
+DRAIN_S = LATE_WRITES_S + 5.0
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +103,21 @@ def no_late_writes_after_free(nf: NetFaults, before: int) -> None:
     assert after == before, f"{after - before} writes of a failed request landed after its pages were freed"
 
 
+def messenger_log(nf: NetFaults, node: str, n: int = 12) -> str:
+    """The last `n` messenger lines of a server's log, for an assertion message (a CI failure
+    should say what the servers did, not just that pages were still held)."""
+    lines = [ln for f in sorted((nf.dep.root / node).glob("*.log"))
+             for ln in f.read_text(errors="replace").splitlines() if "messenger" in ln]
+    return f"\n--- {node}:\n" + "\n".join(lines[-n:])
+
+
+def gave_up(nf: NetFaults) -> str:
+    """For a fault-matrix row: whether the decoder freed failed requests' pages because every
+    write their prefill posted arrived, or because LATE_WRITES_S passed first (counted)."""
+    n = nf.stats().get("late_writes_given_up", 0)
+    return f"late writes given up on so far: {n}"
+
+
 def settled(call, expected: list[int], since: float) -> tuple[str, int]:
     """A request the decoder failed: the client got the reason, or the router retried it (the
     decoder answers 503, which the router may retry) and the retry, a new request with new
@@ -151,14 +173,15 @@ def test_the_decode_link_cut_longer_fails_what_was_in_flight_and_the_links_come_
     outcome, handed = settled(call, out, t1)  # a retry holds pages of its own until it is served
     freed, held = nf.released("decode-0", t1, timeout=DRAIN_S)  # its writes first come out of the healed link
     late = late_writes(nf)
-    assert held == 0, f"the decoder still holds {held} pages or requests {DRAIN_S} s after the request settled"
+    assert held == 0, (f"the decoder still holds {held} pages or requests {DRAIN_S} s after the request settled"
+                       + messenger_log(nf, "decode-0"))
     assert tte < SILENT_PEER_DEADLINE_S, f"the decoder failed the request {tte:.3f} s after the cut"
     assert nf.outcome("carried") == carried + handed
     ok = exact(nf, reference, 3)
     no_late_writes_after_free(nf, late)
     row(f"N2 decode host's link cut {2 * HEARTBEAT_S + 0.5:.1f} s mid-transfer (> heartbeat)", tte, leaked + held,
         ok, f"failed by the decoder (peer silent); links ready {back:.3f}s after the link came "
-        f"back; {outcome} it; the decoder held the failed request's pages until then, all free {freed:.3f}s after")
+        f"back; {outcome} it; the decoder held the failed request's pages until then, all free {freed:.3f}s after ({gave_up(nf)})")
 
 
 def test_a_partition_between_a_prefill_host_and_the_decode_host(nf, longs, reference):
@@ -185,14 +208,15 @@ def test_a_partition_between_a_prefill_host_and_the_decode_host(nf, longs, refer
     back = nf.wait_links_ready()
     freed, held = nf.released("decode-0", t1, timeout=DRAIN_S)
     late = late_writes(nf)
-    assert held == 0, f"the decoder still holds {held} pages or requests {DRAIN_S} s after healing"
+    assert held == 0, (f"the decoder still holds {held} pages or requests {DRAIN_S} s after healing"
+                       + messenger_log(nf, "decode-0") + messenger_log(nf, "prefill-0"))
     before = nf.writes("prefill-0")
     ok = exact(nf, reference, 5)
     assert nf.writes("prefill-0") > before, "the healed prefill host did not serve again"
     no_late_writes_after_free(nf, late)
     row("N3 partition prefill-a | decode (both reach the router)", tte, leaked + held, ok,
         f"failed by the decoder (peer silent); {outcome} the partition; prefill-b served meanwhile; links ready "
-        f"{back:.3f}s after healing, then prefill-a served again")
+        f"{back:.3f}s after healing, all free {freed:.3f}s after ({gave_up(nf)}), then prefill-a served again")
 
 
 def test_a_flapping_decode_link_under_short_requests(nf, reference):
@@ -297,13 +321,14 @@ def test_a_prefill_host_cut_off_fails_what_it_was_writing_which_the_router_retri
         nf.net.link(LAYOUT.prefill[0], True)
     t1 = time.monotonic()
     back = nf.wait_links_ready(30)
-    freed, left = nf.released("decode-0", t1, timeout=back + 5)
+    freed, left = nf.released("decode-0", t1, timeout=back + DRAIN_S)
     late = late_writes(nf)
-    assert left == 0, f"{left} pages still held after prefill-a came back"
+    assert left == 0, (f"{left} pages still held {back + DRAIN_S:.0f} s after prefill-a came back"
+                       + messenger_log(nf, "decode-0") + messenger_log(nf, "prefill-0"))
     before = nf.writes("prefill-0")
     ok = exact(nf, reference, 8)
     assert nf.writes("prefill-0") > before, "prefill-a did not serve again"
     no_late_writes_after_free(nf, late)
     row("N6 prefill host's cable cut mid-transfer (a second prefill host configured)", tte, leaked, ok,
         f"both of its requests failed by the decoder (peer silent); {'; '.join(outcomes)} the cut; their {pages} "
-        f"pages quarantined, not reused, until the host came back: freed {freed:.3f}s after, then it served again")
+        f"pages quarantined, not reused, until the host came back: freed {freed:.3f}s after ({gave_up(nf)}), then it served again")
