@@ -2,7 +2,9 @@
 
 ``Network.create(run, names)`` makes one host per name, each its own network, PID, IPC, UTS
 and mount namespace with a private tmpfs on /dev/shm, and a bridge in a network namespace of
-its own; host i gets ``eth0`` with 10.77.0.<i+1>/24 (and loopback up). Nothing is added to
+its own; host i gets ``eth0`` with 10.77.0.<i+1>/24 (and loopback up). With ``rails=N`` each
+host also gets ``rail1`` .. ``rail<N-1>``, one more NIC per rail on a bridge and subnet of its
+own (10.77.<k>.<i+1>/24), as a multi-rail node has one network per NIC. Nothing is added to
 the root namespace: every veth is created inside the bridge namespace with its peer placed
 straight into the host's, and the addresses exist only inside.
 
@@ -158,6 +160,11 @@ class Host:
     ns: Namespace
     port: str  # its veth's other end, in the bridge's namespace: the switch port this host is plugged into
     interface: str = "eth0"
+    rails: list[tuple[str, str, str]] = field(default_factory=list)  # (interface, address, switch port), rail 1 up
+
+    def rail_address(self, k: int) -> str:
+        """The host's address on rail k (0: eth0's)."""
+        return self.address if k == 0 else self.rails[k - 1][1]
 
     def argv(self, argv: list[str], cwd: str | None = None) -> list[str]:
         """`argv` run inside this host (every namespace of it)."""
@@ -172,16 +179,18 @@ class Host:
             return subprocess.Popen(self.argv(argv), stdout=f, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True)
 
-    def counters(self) -> dict[str, int]:
-        """rx/tx bytes of this host's link, read from its own network namespace (/proc/<pid>/net/dev
-        is the namespace of <pid>, as /sys/class/net/<if>/statistics is inside the host)."""
+    def counters(self, interface: str | None = None) -> dict[str, int]:
+        """rx/tx bytes of this host's link (or of `interface`, a rail), read from its own network
+        namespace (/proc/<pid>/net/dev is the namespace of <pid>, as /sys/class/net/<if>/statistics
+        is inside the host)."""
+        interface = interface or self.interface
         for line in Path(f"/proc/{self.ns.pid}/net/dev").read_text().splitlines():
             name, _, rest = line.partition(":")
-            if name.strip() == self.interface:
+            if name.strip() == interface:
                 f = rest.split()
                 return {"rx_bytes": int(f[0]), "rx_packets": int(f[1]), "tx_bytes": int(f[8]),
                         "tx_packets": int(f[9])}
-        raise HostsUnavailable(f"host {self.name} has no interface {self.interface}")
+        raise HostsUnavailable(f"host {self.name} has no interface {interface}")
 
     def netns_file(self) -> str:
         return f"/proc/{self.ns.pid}/ns/net"
@@ -195,23 +204,26 @@ class Network:
     shaping: dict[str, object] = field(default_factory=dict)  # shaping.py's state of each switch port
 
     @classmethod
-    def create(cls, run: str, names: list[str]) -> Network:
-        """Hosts `names` (in order: 10.77.0.1, .2, ...) on one bridge; on any failure nothing is left."""
+    def create(cls, run: str, names: list[str], rails: int = 1) -> Network:
+        """Hosts `names` (in order: 10.77.0.1, .2, ...) on one bridge, and on `rails - 1` more
+        bridges (rail k: 10.77.k.1, ...); on any failure nothing is left."""
         if not run.replace("-", "").isalnum():
             raise ValueError(f"run {run!r}: letters, digits and '-' only (it marks the keepers)")
+        if not 1 <= rails <= 8:
+            raise ValueError(f"rails must be 1 to 8, got {rails}")
         mark = f"{MARK}-{os.getpid()}-{run}"
-        bridge = Namespace.start(f"{mark}-bridge", ["--net"],
-                                 "ip link set lo up && ip link add br0 type bridge && ip link set br0 up")
+        bridges = " && ".join(f"ip link add br{k} type bridge && ip link set br{k} up" for k in range(rails))
+        bridge = Namespace.start(f"{mark}-bridge", ["--net"], f"ip link set lo up && {bridges}")
         net = cls(mark, bridge)
         try:
             for i, name in enumerate(names):
-                net._add(i, name)
+                net._add(i, name, rails)
         except BaseException:
             net.close()
             raise
         return net
 
-    def _add(self, i: int, name: str) -> None:
+    def _add(self, i: int, name: str, rails: int = 1) -> None:
         every = ["--net", "--pid", "--ipc", "--uts", "--mount", "--mount-proc", "--propagation", "private"]
         ns = Namespace.start(f"{self.run}-{name}", every,
                              f"mount -t tmpfs -o size={SHM_SIZE},mode=1777 {MARK}-shm /dev/shm && "
@@ -223,14 +235,23 @@ class Network:
         _ip(self.bridge.pid, "link", "set", br, "master", "br0", "up")
         _ip(ns.pid, "addr", "add", f"{host.address}/24", "dev", host.interface)
         _ip(ns.pid, "link", "set", host.interface, "up")
+        for k in range(1, rails):
+            port, interface, address = f"v{i}r{k}", f"rail{k}", f"{SUBNET.rsplit('.', 1)[0]}.{k}.{i + 1}"
+            _ip(self.bridge.pid, "link", "add", port, "type", "veth", "peer", "name", interface, "netns", str(ns.pid))
+            _ip(self.bridge.pid, "link", "set", port, "master", f"br{k}", "up")
+            _ip(ns.pid, "addr", "add", f"{address}/24", "dev", interface)
+            _ip(ns.pid, "link", "set", interface, "up")
+            host.rails.append((interface, address, port))
 
     def __getitem__(self, name: str) -> Host:
         return self.hosts[name]
 
-    def link(self, name: str, up: bool) -> None:
-        """Cut (or restore) host `name`'s cable at the bridge: its eth0 loses carrier, its addresses
-        and routes stay, and nothing it sends or is sent arrives, as with a pulled cable."""
-        _ip(self.bridge.pid, "link", "set", self[name].port, "up" if up else "down")
+    def link(self, name: str, up: bool, rail: int = 0) -> None:
+        """Cut (or restore) host `name`'s cable at the bridge (rail k's with `rail`): its interface
+        loses carrier, its addresses and routes stay, and nothing it sends or is sent arrives, as
+        with a pulled cable."""
+        port = self[name].port if rail == 0 else self[name].rails[rail - 1][2]
+        _ip(self.bridge.pid, "link", "set", port, "up" if up else "down")
 
     def tc(self, *args: str) -> None:
         """`tc ARGS` in the bridge's namespace (where every host's switch port is)."""
