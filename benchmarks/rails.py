@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -57,7 +58,8 @@ def measure(net: netns.Network, label: str, args: argparse.Namespace, work: Path
     a, b = net["a"], net["b"]
     d = Path(tempfile.mkdtemp(prefix=f"rails-{label}-", dir=work))
     env = dict(os.environ, UCX_NET_DEVICES="all")
-    listener = subprocess.Popen(b.argv([sys.executable, str(WORKER), "listen", backend, provider, b.address, str(PORT),
+    port = PORT + list(BACKENDS).index(label)  # one port each: nothing of the last one may still hold it
+    listener = subprocess.Popen(b.argv([sys.executable, str(WORKER), "listen", backend, provider, b.address, str(port),
                                         str(d), str(args.mib)]), env=env, stdout=subprocess.DEVNULL,
                                 stderr=open(d / "listen.log", "w"), start_new_session=True)
     try:
@@ -73,8 +75,8 @@ def measure(net: netns.Network, label: str, args: argparse.Namespace, work: Path
         if r.returncode:
             raise RuntimeError(f"{label} dialer failed: {r.stderr[-2000:]}")
         sent = {i: a.counters(i)["tx_bytes"] - before[i] for i in interfaces(a)}
-    finally:
-        listener.kill()
+    finally:  # nsenter forks the worker (PID namespace): the whole session goes
+        os.killpg(listener.pid, signal.SIGKILL)
         listener.wait(10)
     out = json.loads(r.stdout.strip().splitlines()[-1])
     seconds = statistics.median(out["round_s"])
