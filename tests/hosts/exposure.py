@@ -198,10 +198,19 @@ def _outsider(dep: Deployment, net: Network, outsider: str, cfg: dict, control: 
     return json.loads(lines[-1]), landed, rc
 
 
-def _row(x: Listener, reach: str, cfg: dict, res: dict, said: dict, fuzz: dict, canary: tuple[str, bool]) -> Row:
+def _row(x: Listener, reach: str, cfg: dict, res: dict, said: dict, fuzz: dict, canary: tuple[str, bool],
+         shared: list[Listener] = ()) -> Row:
     address, name = f"{x.host}:{x.port}", (x.purpose or "not in the launcher's list") + f" [{x.process}]"
     row = lambda what, promise="", ok=True: Row(x.node, x.bound, x.port, name, reach, what, promise, ok)  # noqa: E731
     if x.bound.startswith("127.") or x.bound == "::1":
+        # The outsider dials the host's address: a socket bound there (or to every address) on
+        # the same port number is what answers, not this one (seen in CI: libfabric's ephemeral
+        # endpoint took 10.77.0.2:45583 while an SGLang socket held 127.0.0.1:45583).
+        other = next((y for y in shared if (y.node, y.proto, y.port) == (x.node, x.proto, x.port)
+                      and not (y.bound.startswith("127.") or y.bound == "::1")), None)
+        if other is not None:
+            return row(f"nothing: bound to loopback (its port number is also bound on {other.bound}, which the "
+                       f"dial reached: that socket has its own row)")
         return row("nothing: bound to loopback", "unreachable from another host", not reach.startswith("accepted"))
     if not reach.startswith("accepted"):
         return row("nothing: no connection")
@@ -248,7 +257,7 @@ def probe(dep: Deployment, net: Network, outsider: str,
         said = {x: f.result() for x, f in said.items()}
         fuzz = {x: [took[(x, p)].result() for p in PAYLOADS] for x in control}
     canary = _canary_verdict(cfg["backend"], res.get("canary", {}), landed, rc)
-    rows = [_row(x, reach[x], cfg, res, said, fuzz, canary) for x in found]
+    rows = [_row(x, reach[x], cfg, res, said, fuzz, canary, found) for x in found]
     failed = [f"{r.node} {r.bound}:{r.port} {r.purpose}: {r.promise}: {r.without_secret}" for r in rows if not r.ok]
     probes_s = time.monotonic() - t0
 
