@@ -30,17 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(describe(plan, topo, devices)))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"kind": kind.value, "devices": devices, "topology": _plain(dataclasses.asdict(topo)),
-                       "plan": dataclasses.asdict(plan)}, f, indent=1)
+            json.dump({"kind": kind.value, "devices": devices, "topology": dataclasses.asdict(topo),
+                       "plan": dataclasses.asdict(plan)}, f, indent=1, default=lambda o: o.value)  # NicKind
     return 0
-
-
-def _plain(x):
-    if isinstance(x, dict):
-        return {k: _plain(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_plain(v) for v in x]
-    return x.value if isinstance(x, NicKind) else x
 
 
 if __name__ == "__main__":

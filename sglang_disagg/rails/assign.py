@@ -52,14 +52,15 @@ def assign(groups: Sequence[Group], src_by_rank: Sequence[Sequence[str]], pairin
     """One route per group (same order as `groups`)."""
     rng = random.Random(seed)
     carried: dict[Route, int] = {}
-    starts: dict[tuple[int, int], int] = {}
+    orders: dict[tuple[int, int], tuple[Route, ...]] = {}  # per rank pair: its routes from the drawn start
     out = []
     for g in groups:
         key = (g.src_rank, g.dst_rank)
-        routes = allowed(src_by_rank[g.src_rank], dst_by_rank[g.dst_rank] if dst_by_rank else None, pairing)
-        start = starts.setdefault(key, rng.randrange(len(routes)))
-        order = routes[start:] + routes[:start]
-        best = min(order, key=lambda r: carried.get(r, 0))  # min keeps the first of equals: the drawn start
+        if key not in orders:
+            routes = allowed(src_by_rank[g.src_rank], dst_by_rank[g.dst_rank] if dst_by_rank else None, pairing)
+            start = rng.randrange(len(routes))
+            orders[key] = routes[start:] + routes[:start]
+        best = min(orders[key], key=lambda r: carried.get(r, 0))  # min keeps the first of equals: the drawn start
         carried[best] = carried.get(best, 0) + g.writes * g.length
         out.append(best)
     return out

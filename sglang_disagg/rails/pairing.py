@@ -6,7 +6,7 @@ on the same IP network (one subnet per rail, as multi-rail fabrics and our names
 built). A local rail that shares no network with any of the peer's rails has no route to it
 and is left out for that peer (said in `Pairing.unpaired`); when several rails of one side
 share a network with one rail of the other, they all write to it. Pure: addresses in, pairs out.
-An interface's addresses are read by `interface_addresses` (ioctl, no subprocess).
+An interface's addresses are read by `interface_addresses` (psutil).
 """
 
 from __future__ import annotations
@@ -51,19 +51,12 @@ def _show(rails: Mapping[str, Sequence[Address]]) -> str:
 
 
 def interface_addresses(name: str) -> list[ipaddress.IPv4Interface]:
-    """The IPv4 address of interface `name` with its netmask ([] when it has none): what a tcp
-    rail binds its endpoint to. (One address per interface through this ioctl; IPv6 rails
-    would need netlink.)"""
-    import fcntl
+    """The IPv4 addresses of interface `name` with their netmasks ([] when it has none or does
+    not exist): what a tcp rail binds its endpoint to. IPv4 only: every link has an IPv6
+    link-local address on the same fe80::/64, which would pair every rail with every rail."""
     import socket
-    import struct
 
-    siocgifaddr, siocgifnetmask = 0x8915, 0x891B
-    req = struct.pack("256s", name.encode()[:15])
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            addr = socket.inet_ntoa(fcntl.ioctl(s.fileno(), siocgifaddr, req)[20:24])
-            mask = socket.inet_ntoa(fcntl.ioctl(s.fileno(), siocgifnetmask, req)[20:24])
-        except OSError:  # no such interface, or no IPv4 address on it
-            return []
-    return [ipaddress.IPv4Interface(f"{addr}/{mask}")]
+    import psutil  # as launch/checks.py reads the host's addresses
+
+    return [ipaddress.IPv4Interface(f"{a.address}/{a.netmask}") for a in psutil.net_if_addrs().get(name, ())
+            if a.family == socket.AF_INET and a.netmask]

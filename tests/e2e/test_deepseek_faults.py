@@ -82,8 +82,7 @@ def test_missing_layer_differs_refusal_and_dropped_connection(colocated):
         _geometry_refused(stack)
 
         writes = lambda: kv_writes(stack, "prefill")  # noqa: E731
-        failed = lambda: value(scrape("127.0.0.1", stack.cfg.ports.decode_metrics),  # noqa: E731
-                               "sglang_disagg_requests_total", outcome="failed")
+        failed = lambda: _outcomes(stack)[0]  # noqa: E731
         link_ready = lambda: {v["state"] for v in  # noqa: E731
                               (stack.messenger_stats("decode") or {}).get("links", {}).values()} == {"ready"}
         for attempt in range(3):  # the drop must land while the KV is in flight, verified below
