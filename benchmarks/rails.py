@@ -1,22 +1,25 @@
 """What each transfer backend does with several NICs over TCP today: which interfaces carry a
 transfer's bytes, and the throughput, on namespace hosts with 1, 2 and 3 rails.
 
-    python benchmarks/rails.py --out DIR [--rails 1 2 3] [--rate 200] [--mib 32] [--rounds 3]
+    python benchmarks/rails.py --out DIR [--rails 1 2 4] [--rate 200] [--mib 32] [--rounds 3]
         [--backends libfabric-tcp nixl mooncake]
 
 Two hosts (harness/hosts/netns.py, ``rails=N``): eth0 on 10.77.0.0/24 and rail1.. on
 10.77.k.0/24, each rail its own bridge; every port into the receiving host capped at --rate
 Mbit/s (a tbf qdisc per switch port), so one rail's worth is known and a backend that spreads
 over k rails could reach k times it. A listener in host b registers --mib MiB
-(rails_worker.py); a dialer in host a writes all of it --rounds times in 64 KiB pages, each
+(rails_worker.py); a dialer in host a writes all of it --rounds times in 64 KiB pages, 1 MiB
+per write call (as the messenger posts a layer's pages), each
 backend as the messenger starts it across hosts (NIXL with UCX_NET_DEVICES=all, as the
 launcher sets it off loopback; Mooncake and libfabric given the host's eth0 address, as the
 messenger gives them). Per row: the median round's throughput (Mbit/s of payload), its ratio
 to one rail's cap and to the same backend over one rail, and the share of the dialer's transmitted bytes each interface carried
-(kernel counters, /proc/<pid>/net/dev of the host). Writes DIR/rails.json.
+(kernel counters, /proc/<pid>/net/dev of the host). Writes DIR/rails.json and DIR/rails.png.
 
-This measures the backends as they are, before any rail support of ours (issue 42): which of
-them already stripe, bind one NIC, or cannot.
+`libfabric-tcp` is our backend as the messenger starts it without --rails (one endpoint on the
+host address); `libfabric-tcp-rails` with an endpoint per interface (what --rails auto gives it),
+striping each transfer's batches over them. NIXL and Mooncake as they are: which of them
+stripe, bind one NIC, or cannot.
 """
 
 from __future__ import annotations
@@ -38,7 +41,10 @@ import results_doc  # noqa: E402
 from harness.hosts import netns  # noqa: E402
 
 WORKER = Path(__file__).with_name("rails_worker.py")
-BACKENDS = {"libfabric-tcp": ("libfabric", "tcp"), "nixl": ("nixl", "-"), "mooncake": ("mooncake", "-")}
+# "+rails": the backend opens an endpoint per interface of its host (--rails auto); the others as
+# the messenger starts them without --rails
+BACKENDS = {"libfabric-tcp": ("libfabric", "tcp"), "libfabric-tcp-rails": ("libfabric", "tcp+rails"),
+            "nixl": ("nixl", "-"), "mooncake": ("mooncake", "-")}
 PORT = 7300
 
 
@@ -91,7 +97,7 @@ def measure(net: netns.Network, label: str, args: argparse.Namespace, work: Path
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--rails", nargs="+", type=int, default=[1, 2, 3])
+    ap.add_argument("--rails", nargs="+", type=int, default=[1, 2, 4])
     ap.add_argument("--rate", type=float, default=200.0, help="cap of each port into the receiver, Mbit/s")
     ap.add_argument("--mib", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
@@ -114,10 +120,33 @@ def main(argv: list[str]) -> int:
     for r in rows:  # the ratio that says whether a backend spreads: against itself over one rail
         r["x_same_backend_one_rail"] = round(r["throughput_mbit"] / one[r["backend"]], 2) if r["backend"] in one else None
     record.write(out / "rails.json", {"rows": rows, "rate_mbit_per_rail": args.rate, "mib": args.mib},
-                 notes=["Each backend as the messenger starts it across hosts today (no rail support of ours).",
+                 notes=["libfabric-tcp-rails: an endpoint per interface (BackendConfig.rails, what --rails auto "
+                        "gives); the other rows as the messenger starts each backend without --rails.",
                         "share: the dialer host's transmitted bytes per interface during the transfer (acks "
                         "and control traffic included)."])
+    plot(rows, args.rate, out / "rails.png")
     return 0
+
+
+def plot(rows: list[dict], rate: float, path: Path) -> None:
+    """Throughput per rail count, one line per backend, and the ideal (k rails x one rail's cap)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    counts = sorted({r["rails"] for r in rows})
+    ax.plot(counts, [k * rate for k in counts], "k:", label="k rails x cap")
+    for label in dict.fromkeys(r["backend"] for r in rows):
+        mine = sorted((r["rails"], r["throughput_mbit"]) for r in rows if r["backend"] == label)
+        ax.plot([k for k, _ in mine], [v for _, v in mine], "o-", label=label)
+    ax.set_xlabel("rails (each capped at %g Mbit/s)" % rate)
+    ax.set_ylabel("throughput, Mbit/s")
+    ax.set_xticks(counts)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":

@@ -21,8 +21,10 @@ import torch  # noqa: E402
 
 from sglang_disagg.backends import BackendConfig, create_backend  # noqa: E402
 from sglang_disagg.ipc import shm  # noqa: E402
+from sglang_disagg.rails import choose  # noqa: E402
 
 PAGE = 1 << 16
+BATCH = 16  # pages per write call: 1 MiB
 SECRET = b"rails-benchmark-secret-32-bytes!"
 
 
@@ -30,8 +32,11 @@ def main() -> None:
     what, backend, provider, host, address, where, mib = sys.argv[1:8]
     d, nbytes = Path(where), int(mib) << 20
     buf = shm.shared_zeros((nbytes,), torch.uint8)
+    rails = choose.resolve([choose.AUTO]) if provider.endswith("+rails") else ()  # every interface but lo
+    provider = provider.removesuffix("+rails")
     be = create_backend(backend, BackendConfig(provider=None if provider == "-" else provider, host=host,
-                                               port=int(address) if what == "listen" else 0, secret=SECRET))
+                                               port=int(address) if what == "listen" else 0, secret=SECRET,
+                                               rails=rails))
     region, desc = be.register(buf.data_ptr(), nbytes)
     pages = list(range(nbytes // PAGE))
     if what == "listen":
@@ -47,7 +52,11 @@ def main() -> None:
     times = []
     for r in range(rounds):
         t0 = time.monotonic()
-        be.write_pages(peer, region, pages, PAGE, remote, pages, PAGE, PAGE, imm=2 + r).wait(300)
+        # in batches of BATCH pages, as the messenger posts a layer's pages: a batch is what a rail carries
+        futs = [be.write_pages(peer, region, pages[i:i + BATCH], PAGE, remote, pages[i:i + BATCH], PAGE, PAGE,
+                               imm=2 + r) for i in range(0, len(pages), BATCH)]
+        for f in futs:
+            f.wait(300)
         times.append(time.monotonic() - t0)
     print(json.dumps({"round_s": times, "bytes_per_round": nbytes}), flush=True)
     os._exit(0)

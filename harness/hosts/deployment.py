@@ -66,6 +66,7 @@ class Node:
     host: Host
     proc: subprocess.Popen
     log: Path
+    offset: int = 0  # where this run's output starts in `log` (a node launched again appends)
 
     def output(self, lines: int = 40) -> str:
         try:
@@ -76,7 +77,7 @@ class Node:
     def wait_up(self, deadline: float) -> float:
         """Seconds the launcher took to come up; NodeFailed if it exited or the deadline passed."""
         while True:
-            m = UP.search(self.log.read_text(errors="replace")) if self.log.exists() else None
+            m = UP.search(self.log.read_bytes()[self.offset:].decode(errors="replace")) if self.log.exists() else None
             if m:
                 return float(m.group(1))
             if self.proc.poll() is not None:
@@ -154,8 +155,11 @@ class Deployment:
         argv = [sys.executable, "-m", "sglang_disagg.launch", "--config", str(self.file), "--node", node,
                 "--log-dir", str(log_dir), *flags]
         env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_DISAGG_SECRET")}
-        n = Node(node, self.net[host], self.net[host].popen(argv, self.root / f"{node}.out", env), self.root /
-                 f"{node}.out")
+        for stale in log_dir.glob("*.messenger.json"):  # a previous run's: links() must not read it as this one's
+            stale.unlink()
+        out = self.root / f"{node}.out"
+        offset = out.stat().st_size if out.exists() else 0
+        n = Node(node, self.net[host], self.net[host].popen(argv, out, env), out, offset)
         self.nodes[node] = n
         return n
 

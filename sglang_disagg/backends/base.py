@@ -88,6 +88,7 @@ class TransferBackend(ABC):
         self._region_ids = itertools.count(1)
         self._batches: dict[int, tuple[Peer, TransferFuture]] = {}
         self._batch_ids = itertools.count(1)
+        self._posted = [0, 0]  # writes, bytes posted since start (every backend: one "rail" unless it has rails)
         self._tracker = ExpectTracker(f"{self.name}-expect")
         # Lambdas, not bound methods: the hooks are looked up when they run, as a method would.
         self._shares = NativeShares(self.config, connect=lambda peer: self._native_connect(peer),
@@ -239,7 +240,8 @@ class TransferBackend(ABC):
         """Post a batch of writes, each carrying immediate `imm`; the future completes when all did."""
         self._check_submit(peer, imm)
         checked = [check_write(self._regions, peer.id, self.max_write_bytes, w, i) for i, w in enumerate(writes)]
-        return self._submit(peer, len(checked), lambda bid: self._native_post(peer, bid, checked, imm))
+        return self._submit(peer, len(checked), lambda bid: self._native_post(peer, bid, checked, imm),
+                            sum(w.length for w in checked))
 
     def write_uniform(self, peer: Peer, src: MemoryRegion, src_offsets: Sequence[int], dst: RemoteRegion,
                       dst_offsets: Sequence[int], length: int, imm: int) -> TransferFuture:
@@ -249,7 +251,7 @@ class TransferBackend(ABC):
         self._check_submit(peer, imm)
         check_uniform(self._regions, peer.id, self.max_write_bytes, src, src_offsets, dst, dst_offsets, length)
         return self._submit(peer, len(src_offsets), lambda bid: self._native_post_uniform(
-            peer, bid, src, src_offsets, dst, dst_offsets, length, imm))
+            peer, bid, src, src_offsets, dst, dst_offsets, length, imm), len(src_offsets) * length)
 
     def write_pages(self, peer: Peer, src: MemoryRegion, src_pages: Sequence[int], src_stride: int,
                     dst: RemoteRegion, dst_pages: Sequence[int], dst_stride: int, length: int, imm: int,
@@ -273,7 +275,7 @@ class TransferBackend(ABC):
         if isinstance(imm, bool) or not isinstance(imm, int) or not 0 <= imm < 2**32:
             raise DescriptorError(f"immediate {imm!r} is not a 32-bit unsigned integer")
 
-    def _submit(self, peer: Peer, n: int, post: Callable[[int], None]) -> TransferFuture:
+    def _submit(self, peer: Peer, n: int, post: Callable[[int], None], nbytes: int) -> TransferFuture:
         fut = TransferFuture(f"{self.name} batch to {peer.address}")
         if n == 0:
             fut.set_result(0)
@@ -289,6 +291,9 @@ class TransferBackend(ABC):
             with self._lock:
                 self._batches.pop(batch_id, None)
             raise
+        with self._lock:
+            self._posted[0] += n
+            self._posted[1] += nbytes
         self._kick()
         if not fut.done():  # its own deadline, on the tracker's timer thread
             key = ("batch", batch_id)
@@ -366,7 +371,8 @@ class TransferBackend(ABC):
         with self._lock:
             base = {"peers": peers, "batches": len(self._batches), "regions": len(self._regions),
                     # what a connection flood cost the control port (control_server.ControlServer)
-                    "connections_evicted": self._server.evicted, "connections_refused": self._server.refused}
+                    "connections_evicted": self._server.evicted, "connections_refused": self._server.refused,
+                    "writes_posted": self._posted[0], "bytes_posted": self._posted[1]}
         return base | self._tracker.counters() | self._notif_drops.stats() | self._native_stats()
 
     def close(self) -> None:

@@ -54,7 +54,7 @@ admin key (LOG_DIR/admin-key)."""
 
 # argparse destination -> LaunchConfig field
 FIELDS = {"role": "role", "model_path": "model", "port": "port", "host": "host", "mode": "mode",
-          "backend": "backend", "provider": "provider", "device": "device", "prefill_tp": "prefill_tp",
+          "backend": "backend", "provider": "provider", "rails": "rails", "device": "device", "prefill_tp": "prefill_tp",
           "decode_tp": "decode_tp", "prefill_attn_dp": "prefill_attn_dp", "decode_attn_dp": "decode_attn_dp",
           "prefill_dp": "prefill_dp", "decode_dp": "decode_dp", "dtype": "dtype",
           "max_total_tokens": "max_total_tokens",
@@ -67,6 +67,15 @@ FIELDS = {"role": "role", "model_path": "model", "port": "port", "host": "host",
           "enable_deterministic_inference": "deterministic", "gpus": "gpus", "prefill_gpus": "prefill_gpus",
           "decode_gpus": "decode_gpus", "shared_gpu_fraction": "shared_gpu_fraction",
           "tls_cert_path": "tls_cert_path", "tls_key_path": "tls_key_path"}
+
+
+def _rails_flag(text: str) -> tuple[str, ...]:
+    from sglang_disagg.rails.choose import parse_flag
+
+    try:
+        return parse_flag(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -89,6 +98,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--provider", default=None,
                     help="libfabric provider: tcp (default), efa/verbs on such hardware; shm is refused (libfabric "
                          "1.17's shm cannot be bounded when a peer dies: use shmem on one host)")
+    ap.add_argument("--rails", type=_rails_flag, default=(), metavar="auto|NAME[,NAME...]",
+                    help="messenger, libfabric or nixl: the interfaces KV writes leave through, one endpoint "
+                         "each (auto: every interface that is up with IPv4, not loopback or a bridge); default: "
+                         "one endpoint on --host. The control connection stays on --host")
     ap.add_argument("--page-size", type=int, default=None, help="KV page size in tokens (messenger default 16)")
     ap.add_argument("--prefill-messenger", action="append", default=[],
                     help="decode role, messenger mode: host:port of a prefill server's messenger (repeatable)")

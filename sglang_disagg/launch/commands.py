@@ -58,6 +58,7 @@ from sglang_disagg.launch import gpu, keys, smg_router
 from sglang_disagg.launch.config import LaunchConfig, Mode, Role
 from sglang_disagg.messenger.config import ENV as MESSENGER_ENV
 from sglang_disagg.messenger.config import MessengerConfig, MessengerRole
+from sglang_disagg.rails import choose
 
 
 @dataclass(frozen=True)
@@ -182,6 +183,12 @@ def _env(cfg: LaunchConfig, role: Role, ranks: int, extra: dict[str, str] | None
         # Forked, a server's scheduler and detokenizer skip importing torch and SGLang again
         # (hooks.subprocess_start_method): --role all ready in 15 s instead of 33 s here.
         env[SUBPROCESS_START_ENV] = os.environ.get(SUBPROCESS_START_ENV, "fork")
+    if cfg.rails and cfg.transfer_backend == "nixl":
+        # UCX's own device list: it picks among (and may stripe over) these; the rails json
+        # benchmark measures what it does with them.
+        names = list(cfg.rails) if cfg.rails != (choose.AUTO,) else choose.interface_names(choose.resolve(cfg.rails))
+        env["UCX_NET_DEVICES"] = ",".join(names)
+        env["UCX_MAX_RMA_RAILS"] = str(min(len(names), 4))
     env.update(extra or {})
     env.update(dict(cfg.env))
     return tuple(sorted(env.items()))
@@ -192,6 +199,7 @@ def messenger_config(cfg: LaunchConfig, role: Role, log_dir: Path | None = None)
     name = role.value
     stats = str(log_dir / f"{name}.messenger.json") if log_dir else ""
     common = dict(backend=cfg.transfer_backend, provider=cfg.transfer_provider, host=cfg.host, name=name,
+                  rails=choose.resolve(cfg.rails) if cfg.transfer_backend == "libfabric" else (),
                   stats_file=stats, transfer_timeout_s=cfg.transfer_timeout_s,
                   recheck_s=cfg.link_recheck_s, stream=cfg.stream, reuse_prefix=cfg.reuse_prefix)
     if role is Role.PREFILL:

@@ -122,6 +122,7 @@ class LaunchConfig:
     mode: Mode = Mode.MESSENGER
     backend: str | None = None  # None: shmem (messenger, --role all on CPU), libfabric (messenger), mooncake (upstream)
     provider: str | None = None  # libfabric provider; None: tcp
+    rails: tuple[str, ...] = ()  # messenger data-path interfaces (names, or ("auto",)); (): one on --host
     device: str = "cpu"
     prefill_tp: int = 1
     decode_tp: int = 1
@@ -240,6 +241,15 @@ class LaunchConfig:
             return self.attention_backend
         return gpu.DEFAULT_CUDA_BACKEND
 
+    def _check_rails(self) -> None:
+        from sglang_disagg.rails.choose import check_names
+
+        object.__setattr__(self, "rails", check_names(self.rails))
+        if self.rails and self.transfer_backend not in ("libfabric", "nixl"):
+            raise ValueError(f"--rails: backend {self.transfer_backend} takes no interface list (libfabric opens "
+                             "an endpoint per rail, nixl hands them to UCX; Mooncake's tcp transport sends "
+                             "through the route to the peer; shmem stays on one host): docs/backends.md, Rails")
+
     def _check_upstream(self) -> None:
         values = [b.value for b in UpstreamBackend]
         if self.transfer_backend not in values:
@@ -266,6 +276,7 @@ class LaunchConfig:
             raise ValueError(f"--provider is a libfabric setting; backend {self.transfer_backend} has none")
         if self.provider is not None and self.provider not in MESSENGER_PROVIDERS + ("efa", "verbs", "net"):
             raise ValueError(f"--provider {self.provider!r}: choose tcp (or efa/verbs on such hardware)")
+        self._check_rails()
         if self.role is Role.ROUTER and not self.decode_urls:
             raise ValueError("--role router in messenger mode needs at least one --decode-url (decoders "
                              "reach prefill servers themselves)")

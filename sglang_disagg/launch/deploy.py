@@ -21,6 +21,7 @@ group), which prefill groups each decoder may use, and the router.
     dp = 1                        #   replicas of it (--prefill-dp; one machine): launch/parallel.py
     nodes = 1                     # machines in this TP group
     gpus = 2                      # --device cuda: GPUs on each of its machines (default tp * dp / nodes)
+    rails = ["eth0", "eth1"]      # --rails: interfaces its KV writes leave through ("auto": all usable)
 
     [[decode]]
     name = "decode-0"
@@ -54,6 +55,7 @@ from typing import Any
 from .checks import check_deployment
 from .config import LaunchConfig, Mode, Ports, Role
 from .parallel import Parallel, problem as parallel_problem
+from ..rails.choose import check_names
 
 ROUTER = "router"
 
@@ -75,6 +77,7 @@ class Group:
     gpus: int | None = None  # --device cuda: GPUs on each of its machines (None: ranks_per_node)
     attn_dp: int = 1  # attention-DP groups inside the TP group
     dp: int = 1  # replicas of the TP group (on one machine)
+    rails: tuple[str, ...] = ()  # interface names of its machines (or "auto"): per group, names differ per host
 
     @property
     def ranks_per_node(self) -> int:
@@ -136,7 +139,7 @@ class Deployment:
         else:
             g = self.group(name)
             kw = dict(role=g.role, host=g.host, prefill_tp=g.tp, decode_tp=g.tp, prefill_attn_dp=g.attn_dp,
-                      decode_attn_dp=g.attn_dp, prefill_dp=g.dp, decode_dp=g.dp)
+                      decode_attn_dp=g.attn_dp, prefill_dp=g.dp, decode_dp=g.dp, rails=g.rails)
             if self.device == "cuda":  # the group's machine, planned as such on any machine
                 kw["gpus"] = g.gpus or g.ranks_per_node
             if g.role is Role.DECODE and self.mode is Mode.MESSENGER:
@@ -147,7 +150,7 @@ class Deployment:
 _TOP = {"deployment", "prefill", "decode", "router"}
 _DEPLOYMENT = {"model", "mode", "backend", "provider", "port", "device", "max_total_tokens", "page_size", "image",
                "extra_args", "secret_file", "cpu", "memory"}
-_GROUP = {"name", "host", "tp", "attn_dp", "dp", "nodes", "prefill", "gpus"}
+_GROUP = {"name", "host", "tp", "attn_dp", "dp", "nodes", "prefill", "gpus", "rails"}
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?([KMGTPE]i|[kMGTPE])?$")  # a Kubernetes memory quantity
 
 
@@ -196,7 +199,14 @@ def _group(where: str, t: Any, role: Role) -> Group:
     if prefill is not None:
         prefill = tuple(_typed(f"{where}.prefill[{i}]", p, str) for i, p in enumerate(_typed(f"{where}.prefill",
                                                                                                prefill, list)))
-    return Group(name, role, _typed(f"{where}.host", t["host"], str), tp, nodes, prefill or (), gpus, attn_dp, dp)
+    rails = tuple(_typed(f"{where}.rails[{i}]", r, str) for i, r in enumerate(_typed(f"{where}.rails",
+                                                                                       t.get("rails", []), list)))
+    try:
+        rails = check_names(rails)
+    except ValueError as e:
+        raise DeploymentError(f"{where}.rails: {e}") from None
+    return Group(name, role, _typed(f"{where}.host", t["host"], str), tp, nodes, prefill or (), gpus, attn_dp, dp,
+                 rails)
 
 
 def parse(doc: dict) -> Deployment:

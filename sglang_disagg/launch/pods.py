@@ -61,7 +61,7 @@ def launcher_argv(cfg: LaunchConfig) -> list[str]:
                         ("--prefill-messenger", "prefill_messengers")):
         for v in getattr(cfg, field):
             argv += [flag, v]
-    for flag, field in (("--prefill-gpus", "prefill_gpus"), ("--decode-gpus", "decode_gpus")):
+    for flag, field in (("--prefill-gpus", "prefill_gpus"), ("--decode-gpus", "decode_gpus"), ("--rails", "rails")):
         if getattr(cfg, field):
             argv += [flag, ",".join(map(str, getattr(cfg, field)))]
     if cfg.deterministic:

@@ -12,6 +12,8 @@ import json
 import os
 from dataclasses import asdict, dataclass, fields
 
+from ..backends.config import check_rails
+
 ENV = "SGLANG_DISAGG_MESSENGER"
 
 
@@ -58,6 +60,7 @@ class MessengerConfig:
     stream: bool = True
     reuse_prefix: bool = True
     metrics_port: int = 0  # Prometheus endpoint of the leader (0 = none)
+    rails: tuple[str, ...] = ()  # data-path interfaces, "ADDRESS/PREFIX" (BackendConfig.rails); (): host only
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, MessengerRole):
@@ -73,6 +76,10 @@ class MessengerConfig:
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 65536:
                 raise ConfigError(f"{name}: {value!r} is not a port number")
         object.__setattr__(self, "prefill", tuple(self.prefill))
+        try:
+            object.__setattr__(self, "rails", check_rails(self.rails))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         for i, addr in enumerate(self.prefill):
             _address(addr, f"prefill[{i}]")
         if self.role is MessengerRole.DECODE and not self.prefill:
@@ -88,6 +95,7 @@ class MessengerConfig:
         d = asdict(self)
         d["role"] = self.role.value
         d["prefill"] = list(self.prefill)
+        d["rails"] = list(self.rails)
         return json.dumps(d, sort_keys=True)
 
     @classmethod

@@ -46,6 +46,9 @@ GAUGES = {  # name -> (help, label)
     "sglang_disagg_late_writes": ("Writes of failed requests that arrived after the failure, discarded (a "
                                   "decoder frees such a request's pages once every write its prefill server "
                                   "posted arrived)", "fate"),
+    "sglang_disagg_rail_bytes": ("KV bytes this server posted through each rail (its --rails, in order; rail 0 "
+                                 "only without, or with a backend that has no rails)", "rail"),
+    "sglang_disagg_rail_writes": ("KV writes this server posted through each rail", "rail"),
 }
 
 

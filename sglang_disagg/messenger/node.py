@@ -80,7 +80,7 @@ class Node:
         def make_backend() -> Transport:
             listen = cfg.port if cfg.role is MessengerRole.PREFILL else 0
             return create_backend(cfg.backend, BackendConfig(
-                provider=cfg.provider, host=cfg.host, port=listen, secret=secret,
+                provider=cfg.provider, host=cfg.host, port=listen, secret=secret, rails=cfg.rails,
                 handshake_timeout_s=min(2.0, cfg.connect_timeout_s)))
 
         # One backend per server, on the leader of its (first) group; dp/groups.py.
@@ -183,7 +183,12 @@ class Node:
                 "sglang_disagg_notifications_dropped": {
                     reason: stats.get(f"{reason}_notifications_dropped", 0) for reason in NotifDrops.REASONS}
                 | {"unasked": stats.get("foreign_credits_dropped", 0)},
-                "sglang_disagg_late_writes": {"discarded": stats.get("late_writes_dropped", 0)}}
+                "sglang_disagg_late_writes": {"discarded": stats.get("late_writes_dropped", 0)},
+                # one rail (0) for backends without rails: all they posted
+                "sglang_disagg_rail_bytes": {str(i): stats.get(f"rail{i}_bytes", stats.get("bytes_posted", 0))
+                                             for i in range(stats.get("rails", 1))},
+                "sglang_disagg_rail_writes": {str(i): stats.get(f"rail{i}_writes", stats.get("writes_posted", 0))
+                                              for i in range(stats.get("rails", 1))}}
 
     def owner_gone(self) -> str:
         """DP group > 0: why the server's backend is out of reach ("" while the owner lives)."""

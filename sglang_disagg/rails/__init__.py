@@ -1,13 +1,13 @@
 """Rails: the NICs a server's messenger writes KV through, and which TP rank uses which.
 
-So far this package reads a node's topology (topology.py: GPUs and NICs with their PCIe and
-NUMA positions, from sysfs) and plans the ranks' rails (plan.py: nearest NIC(s) per GPU,
-round-robin on CPU), pairs a server's rails with a peer's by the networks they share
-(pairing.py: different rail counts still link), assigns each of a request's write groups a
-rail pair (assign.py: spread by bytes, seeded per request), and the device check prints the plan
-(``python -m sglang_disagg.rails``).
-The transports do not drive several rails yet: every backend still opens one endpoint per
-server (docs/backends.md), so the plan is shown, not used.
+choose.py turns `--rails auto|NAME,...` into the interfaces a server's backend opens an
+endpoint on (the libfabric backend drives them: backends/libfabric/rails.py, pairing them with a
+peer's by pairing.py and striping batches by bytes). For GPU hosts this package also reads a
+node's topology (topology.py: GPUs and NICs with their PCIe and NUMA positions, from sysfs),
+plans the ranks' rails (plan.py: nearest NIC(s) per GPU, round-robin on CPU) and assigns a
+request's write groups a rail pair (assign.py); the device check prints the plan
+(``python -m sglang_disagg.rails``). That plan is not fed to the backend yet: every rank's
+writes stripe over every rail (docs/backends.md, Rails).
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ def network(hosts_possible, request):
     net.close()
 
 
-LONG_TOKENS = {"long": (1500, 6), "medium": (400, 3), "slow": (700, 1)}  # tokens, how many
+LONG_TOKENS = {"long": (1500, 6), "medium": (400, 3), "slow": (700, 1), "rails": (1500, 4)}  # tokens, how many
 LONG_OUTPUT = 4
 
 
@@ -88,11 +88,12 @@ def reference(colocated):
     return colocated["short"]
 
 
-def ask(dep: Deployment, prompts: list[list[int]], from_host: str | None = None) -> dict:
+def ask(dep: Deployment, prompts: list[list[int]], from_host: str | None = None,
+        max_new_tokens: int = OUTPUT_TOKENS) -> dict:
     """Send `prompts` to the router from inside a host; the decoder's KV byte counter before and after."""
     job = dep.root / f"job-{next(_runs)}.json"
     metrics = f"http://{dep.net[dep.layout.decode].address}:{Ports(dep.port).decode_metrics}/metrics"
-    job.write_text(json.dumps({"url": dep.url, "prompts": prompts, "max_new_tokens": OUTPUT_TOKENS,
+    job.write_text(json.dumps({"url": dep.url, "prompts": prompts, "max_new_tokens": max_new_tokens,
                                "metrics": metrics, "api_key": dep.keys.api}))
     r = dep.net[from_host or dep.layout.router].run([sys.executable, str(CLIENT), str(job)], timeout=300)
     assert r.returncode == 0, f"client failed ({r.returncode}):\n{r.stderr[-3000:]}"

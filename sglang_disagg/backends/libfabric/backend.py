@@ -20,11 +20,14 @@ Stuck endpoints: a thread that never comes back out of the provider would hold t
 good. No shim call but the poller's waits for it longer than SHIM_STUCK_MS: then EndpointStuck,
 and the backend is poisoned and replaces the endpoint (healing.py); an endpoint that cannot be
 closed is abandoned (leaked, logged).
+
+Rails (rails.py): with `BackendConfig.rails` the backend opens one endpoint per interface, each
+with its own poller; rail 0 is `_ep`. A stuck rail poisons the whole backend and every rail is
+replaced together (peers reconnect and learn every new address from a fresh HELLO).
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import errno
 import logging
@@ -34,19 +37,19 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..base import TransferBackend
-from ..errors import BackendUnavailable, DescriptorError, PeerLostError, TransferError, UnsupportedMemory
+from ..errors import BackendUnavailable, DescriptorError, PeerLostError, TransferError
 from ..peers import Peer
-from ..regions import Memory, MemoryKind, MemoryRegion, NativeRegistration, PageWrite, PeerState, RemoteRegion
+from ..regions import MemoryRegion, PageWrite, PeerState, RemoteRegion
 from . import SHM_REFUSED, SHM_WHY
+from . import rails as railmod
 from .healing import Healing
-from .native import ESTUCK, EndpointStuck, address_of, endpoint_info, ffi, lib, register_on, stuck_text
+from .native import PROVIDERS, ESTUCK, EndpointStuck, address_of, endpoint_info, ffi, lib, stuck_text
+from .registration import Registration
 from .native import Errbuf as _Errbuf
 from .native import check as _check
 from .native import need_shim as _need_shim
 from ...threads import Thread as NamedThread
 
-PROVIDERS = {"tcp": "tcp;ofi_rxm", "net": "net", "efa": "efa", "verbs": "verbs;ofi_rxm",
-             "sockets": "sockets"}
 _EVENTS = 256
 # How long one shim_poll call may wait when nothing happens. An idle endpoint sleeps in the
 # kernel inside it (the CQ's wait fd; a post or close wakes it), so this only bounds how
@@ -57,7 +60,7 @@ _EV_BATCH, _EV_IMM, _EV_ASYNC, _EV_TAG_FAILED = 1, 2, 3, 4
 log = logging.getLogger(__name__)
 
 
-class LibfabricBackend(Healing, TransferBackend):
+class LibfabricBackend(Registration, Healing, TransferBackend):
     name = "libfabric"
 
     @classmethod
@@ -100,7 +103,10 @@ class LibfabricBackend(Healing, TransferBackend):
             raise TransferError(f"libfabric option hmem must be a bool, got {self._hmem!r}")
         self._fins: dict[int, weakref.finalize] = {}
         self._init_healing()
-        self._ep = self._open_endpoint()
+        self._nets = railmod.parse(self.config.rails)
+        self._load = railmod.Load(max(1, len(self._nets)))
+        self._eps = self._open_endpoints()
+        self._pollers: list[NamedThread] = []
         self._shim_closed = False
         self._ep_lock = threading.RLock()  # registration vs. replacing the endpoint
         self._read_info()
@@ -111,17 +117,40 @@ class LibfabricBackend(Healing, TransferBackend):
         self._start_poller()
         self._start_watchdog()
 
+    @property
+    def _ep(self) -> Any:
+        """Rail 0's endpoint (the only one without rails): what fi_info and tests read."""
+        return self._eps[0]
+
+    @property
+    def _poller(self) -> NamedThread:
+        return self._pollers[0]
+
     def _read_info(self) -> None:
         self.fi_info = endpoint_info(self._ep)
-        self.max_write_bytes = min(type(self).max_write_bytes, self.fi_info["max_msg_size"])
+        self.max_write_bytes = min([type(self).max_write_bytes] + [endpoint_info(e)["max_msg_size"] for e in self._eps])
 
-    def _open_endpoint(self, hmem: bool | None = None) -> Any:
+    def _open_endpoints(self, hmem: bool | None = None) -> list[Any]:
+        """One endpoint per rail (none configured: one on the control host); all or none."""
+        eps: list[Any] = []
+        try:
+            for node in [str(n.ip) for n in self._nets] or [self.config.host]:
+                eps.append(self._open_endpoint(hmem, node))
+        except BaseException:
+            for ep in eps:
+                self._release(ep)
+            raise
+        return eps
+
+    def _open_endpoint(self, hmem: bool | None = None, node: str | None = None) -> Any:
         ep, err = ffi.new("shim_ep **"), _Errbuf()
         hmem = self._hmem if hmem is None else hmem
-        node = self.config.host.encode()  # the TCP providers otherwise bind to eth0 (FI_SOURCE)
-        if lib.shim_open(PROVIDERS[self.provider].encode(), node, int(hmem), ep, err.buf, 256):
+        # FI_SOURCE: the TCP providers otherwise bind to eth0; a rail binds to its interface's address
+        where = node or self.config.host
+        if lib.shim_open(PROVIDERS[self.provider].encode(), where.encode(), int(hmem), ep, err.buf, 256):
             raise BackendUnavailable(f"libfabric provider {PROVIDERS[self.provider]} unusable"
-                                     f"{' with FI_HMEM' if hmem else ''}: {err}")
+                                     f"{' with FI_HMEM' if hmem else ''}"
+                                     f"{f' on rail {where}' if self._nets else ''}: {err}")
         # The struct outlives shim_close (a thread still calling in gets -FI_ESHUTDOWN, not
         # freed memory); it is freed once this backend is unreachable, i.e. no thread of ours
         # can call in any more.
@@ -131,26 +160,43 @@ class LibfabricBackend(Healing, TransferBackend):
         return ep[0]
 
     def _start_poller(self) -> None:
+        """One progress thread per rail, all stopped by one event (replaced together)."""
         self._stop = threading.Event()
-        self._poller = NamedThread(target=self._poll_loop, args=(self._ep, self._stop),
-                                        name="libfabric-progress", daemon=True)
-        self._poller.start()
+        self._pollers = [NamedThread(target=self._poll_loop, args=(ep, self._stop), daemon=True,
+                                     name="libfabric-progress" + (f"-r{i}" if i else ""))
+                         for i, ep in enumerate(self._eps)]
+        for t in self._pollers:
+            t.start()
+
+    def _join_pollers(self, timeout_s: float) -> None:
+        for t in self._pollers:
+            if threading.current_thread() is not t:
+                t.join(timeout=timeout_s)
 
     def _endpoint_info(self) -> dict[str, Any]:
-        return {"fi_addr": base64.b64encode(address_of(self._ep)).decode()}
+        return railmod.hello([address_of(ep) for ep in self._eps], self._nets)
 
     def _native_connect(self, peer: Peer) -> None:
-        try:
-            raw = base64.b64decode(peer.endpoint["fi_addr"], validate=True)
-        except (KeyError, ValueError) as e:
-            raise TransferError(f"peer hello has no valid libfabric address: {e}") from e
-        # The shim checks the address against our provider's format (length, terminator,
+        primary, theirs = railmod.peer_rails(peer.endpoint)
+        targets = railmod.pairing(self._nets, theirs)
+        # The shim checks each address against our provider's format (length, terminator,
         # family) before fi_av_insert reads it: the hello comes from the network.
         out, err = ffi.new("uint64_t *"), _Errbuf()
+        routes = []
         # a peer connecting while the endpoint is replaced joins the new one
-        with self._ep_lock, self._stuck_on(ep := self._ep):
-            _check(lib.shim_av_insert(ep, raw, len(raw), out, err.buf, 256), err, "fi_av_insert")
-            peer.native = int(out[0])
+        with self._ep_lock:
+            try:
+                for i, j in enumerate(targets):
+                    if j is None:
+                        continue
+                    raw = theirs[j].address if theirs and self._nets else primary
+                    with self._stuck_on(ep := self._eps[i]):
+                        _check(lib.shim_av_insert(ep, raw, len(raw), out, err.buf, 256), err, "fi_av_insert")
+                    routes.append(railmod.RailRoute(i, int(out[0]), j if theirs and self._nets else 0))
+            except BaseException:
+                self._forget_routes(routes)
+                raise
+            peer.native = tuple(routes)
 
     def _native_disconnect(self, peer: Peer) -> None:
         if peer.native is None:
@@ -160,101 +206,62 @@ class LibfabricBackend(Healing, TransferBackend):
             # poller may still be reading completions that name the address: leave it.
             peer.native = None
             return
+        routes, peer.native = peer.native, None
+        self._forget_routes(routes)
+
+    def _forget_routes(self, routes: Sequence[railmod.RailRoute]) -> None:
         # In-flight writes to a lost peer complete (with an error) later: the shim frees them
         # when they do, or at close. While any are queued the address stays in the AV: their
         # completions may still name it.
-        ep = self._ep
-        pending = lib.shim_abandon_peer(ep, peer.native)
-        if pending == -ESTUCK:  # return now: the caller fails the peer's futures next
-            self._on_stuck(ep, stuck_text())
-        elif pending:
-            self._stale_addrs += 1
-        else:
-            err = _Errbuf()
-            with contextlib.suppress(EndpointStuck), self._stuck_on(ep):  # it goes with the endpoint
-                _check(lib.shim_av_remove(ep, peer.native, err.buf, 256), err, "fi_av_remove")
-        peer.native = None
-
-    def _native_register(self, addr: int, length: int, memory: Memory) -> NativeRegistration:
-        with self._ep_lock, self._stuck_on(ep := self._ep):
-            if memory.kind is MemoryKind.HOST:
-                return register_on(ep, addr, length, memory)
-            if not self._hmem:
-                return self._reopen_with_hmem(addr, length, memory)
-            try:
-                return register_on(ep, addr, length, memory)
-            except EndpointStuck:
-                raise
-            except TransferError as e:
-                raise self._refusal(memory, e) from e
-
-    def _refusal(self, memory: Memory, error: Exception) -> UnsupportedMemory:
-        why = str(error).removeprefix("libfabric register: ")
-        hint = ("the provider does not offer FI_HMEM" if isinstance(error, BackendUnavailable) else
-                "fi_info listing FI_HMEM is not enough: this libfabric must be built with CUDA")
-        return UnsupportedMemory(f"libfabric provider {PROVIDERS[self.provider]} cannot register {memory}: "
-                                 f"{why} ({hint}); use host memory, or nixl (VRAM) for device memory")
-
-    def _reopen_with_hmem(self, addr: int, length: int, memory: Memory) -> NativeRegistration:
-        """The first device registration (the KV pool, at start-up): open an FI_HMEM endpoint
-        and register there; only if that succeeds does it replace the host-only endpoint."""
-        if self._regions or self.peers():
-            raise UnsupportedMemory(
-                f"libfabric {self.provider}: register {memory} before any other region or peer (the endpoint is "
-                "reopened with FI_HMEM then), or open the backend with options {'hmem': True}")
-        try:
-            ep = self._open_endpoint(hmem=True)
-        except BackendUnavailable as e:
-            raise self._refusal(memory, e) from e
-        try:
-            reg = register_on(ep, addr, length, memory)
-        except TransferError as e:
-            self._release(ep)
-            raise self._refusal(memory, e) from e
-        old_ep, old_poller = self._ep, self._poller
-        self._stop.set()
-        if threading.current_thread() is not old_poller:
-            old_poller.join(timeout=2.0)
-        self._release(old_ep)
-        self._ep, self._hmem = ep, True
-        self._read_info()
-        self._start_poller()
-        return reg
-
-    def _native_deregister(self, reg: NativeRegistration) -> None:
-        err = _Errbuf()
-        with self._ep_lock:
-            if self._shim_closed:  # registrations went with the endpoint
+        for r in routes:
+            ep = self._eps[r.local]
+            pending = lib.shim_abandon_peer(ep, r.fi_addr)
+            if pending == -ESTUCK:  # return now: the caller fails the peer's futures next
+                self._on_stuck(ep, stuck_text())
                 return
-            with contextlib.suppress(EndpointStuck), self._stuck_on(ep := self._ep):  # goes with it
-                _check(lib.shim_mr_close(ep, reg.handle, err.buf, 256), err, "fi_close(mr)")
+            if pending:
+                self._stale_addrs += 1
+            else:
+                err = _Errbuf()
+                with contextlib.suppress(EndpointStuck), self._stuck_on(ep):  # it goes with the endpoint
+                    _check(lib.shim_av_remove(ep, r.fi_addr, err.buf, 256), err, "fi_av_remove")
 
-    def _handle(self, region: MemoryRegion) -> int:
+    def _check_remote(self, peer: Peer, d: Any) -> None:
+        railmod.check_descriptor(d)
+
+    def _handle(self, region: MemoryRegion, rail: int = 0) -> int:
         # Checked before posting, but deregister() may run in between (another thread).
         entry = self._regions.get(region.id)
         if entry is None:
             raise DescriptorError(f"source region {region.id} was deregistered")
-        return entry[1].handle
+        return entry[1].handle[rail]
 
-    def _arrays(self, writes: Sequence[PageWrite]) -> tuple:
-        mr = ffi.new("uint64_t[]", [self._handle(w.src) for w in writes])
+    def _arrays(self, writes: Sequence[PageWrite], route: railmod.RailRoute | None = None) -> tuple:
+        rail, theirs = (route.local, route.remote) if route else (0, 0)
+        keys = [railmod.remote_key(w.dst.descriptor, theirs) for w in writes]
+        mr = ffi.new("uint64_t[]", [self._handle(w.src, rail) for w in writes])
         src = ffi.new("uint64_t[]", [w.src_offset for w in writes])
-        raddr = ffi.new("uint64_t[]", [w.dst.descriptor.base + w.dst_offset for w in writes])
-        rkey = ffi.new("uint64_t[]", [w.dst.descriptor.key for w in writes])
+        raddr = ffi.new("uint64_t[]", [b + w.dst_offset for w, (b, _) in zip(writes, keys)])
+        rkey = ffi.new("uint64_t[]", [k for _, k in keys])
         ln = ffi.new("uint64_t[]", [w.length for w in writes])
         return mr, src, raddr, rkey, ln
 
-    def _native_post(self, peer: Peer, batch_id: int, writes: Sequence[PageWrite], imm: int) -> None:
-        self._post_arrays(peer, batch_id, len(writes), self._arrays(writes), imm)
+    def _route(self, peer: Peer, n: int, nbytes: int) -> railmod.RailRoute:
+        routes = peer.native  # None once the peer is dropped; the shim refuses dead ones too
+        if routes is None:
+            raise PeerLostError(f"peer {peer.address} is {peer.state.value}")
+        return self._load.pick(routes, n, nbytes)
 
-    def _post_arrays(self, peer: Peer, batch_id: int, n: int, arrays: tuple, imm: int) -> None:
+    def _native_post(self, peer: Peer, batch_id: int, writes: Sequence[PageWrite], imm: int) -> None:
+        route = self._route(peer, len(writes), sum(w.length for w in writes))
+        self._post_arrays(peer, route, batch_id, len(writes), self._arrays(writes, route), imm)
+
+    def _post_arrays(self, peer: Peer, route: railmod.RailRoute, batch_id: int, n: int, arrays: tuple,
+                     imm: int) -> None:
         if self._poisoned:
             raise TransferError(self._poisoned)
-        fi_addr = peer.native  # None once the peer is dropped; the shim refuses dead ones too
-        if fi_addr is None:
-            raise PeerLostError(f"peer {peer.address} is {peer.state.value}")
-        ep, err = self._ep, _Errbuf()
-        ret = lib.shim_post(ep, batch_id, fi_addr, n, *arrays, imm, err.buf, 256)
+        ep, err = self._eps[route.local], _Errbuf()
+        ret = lib.shim_post(ep, batch_id, route.fi_addr, n, *arrays, imm, err.buf, 256)
         if ret == -ESTUCK:
             self._on_stuck(ep, str(err))
             raise EndpointStuck(f"libfabric post: {err}")
@@ -268,11 +275,13 @@ class LibfabricBackend(Healing, TransferBackend):
 
     def _native_post_uniform(self, peer: Peer, batch_id: int, src: MemoryRegion, src_offsets: Sequence[int],
                              dst: RemoteRegion, dst_offsets: Sequence[int], length: int, imm: int) -> None:
-        n, d = len(src_offsets), dst.descriptor
-        arrays = (ffi.new("uint64_t[]", [self._handle(src)] * n), ffi.new("uint64_t[]", src_offsets),
-                  ffi.new("uint64_t[]", [d.base + o for o in dst_offsets] if d.base else dst_offsets),
-                  ffi.new("uint64_t[]", [d.key] * n), ffi.new("uint64_t[]", [length] * n))
-        self._post_arrays(peer, batch_id, n, arrays, imm)
+        n = len(src_offsets)
+        route = self._route(peer, n, n * length)
+        base, key = railmod.remote_key(dst.descriptor, route.remote)
+        arrays = (ffi.new("uint64_t[]", [self._handle(src, route.local)] * n), ffi.new("uint64_t[]", src_offsets),
+                  ffi.new("uint64_t[]", [base + o for o in dst_offsets] if base else dst_offsets),
+                  ffi.new("uint64_t[]", [key] * n), ffi.new("uint64_t[]", [length] * n))
+        self._post_arrays(peer, route, batch_id, n, arrays, imm)
 
     def raw_c_loop(self, peer: Peer, writes: Sequence[PageWrite], imm: int, iters: int) -> tuple[int, list[int]]:
         """Benchmark hook: post+poll `iters` batches entirely in C. Returns (total ns, per-batch ns)."""
@@ -280,7 +289,9 @@ class LibfabricBackend(Healing, TransferBackend):
         self._check_open()
         checked = [check_write(self._regions, peer.id, self.max_write_bytes, w, i) for i, w in enumerate(writes)]
         lat, err = ffi.new("int64_t[]", iters), _Errbuf()
-        ns = lib.shim_bench(self._ep, peer.native, len(checked), *self._arrays(checked), imm, iters, lat, err.buf, 256)
+        route = peer.native[0]  # rail 0 only: the benchmark measures one endpoint's loop
+        ns = lib.shim_bench(self._eps[route.local], route.fi_addr, len(checked), *self._arrays(checked, route), imm,
+                            iters, lat, err.buf, 256)
         if ns < 0:
             raise TransferError(f"libfabric raw loop: {err}")
         return int(ns), list(lat)
@@ -322,19 +333,23 @@ class LibfabricBackend(Healing, TransferBackend):
             self._tracker.transport_error(text)
 
     def _native_expire(self, batch_id: int) -> None:
-        ep = self._ep
-        if not self._shim_closed and lib.shim_abandon_batch(ep, batch_id) == -ESTUCK:
-            self._on_stuck(ep, stuck_text())
+        for ep in self._eps:  # a batch lives on one rail; the others do not know its id
+            if not self._shim_closed and lib.shim_abandon_batch(ep, batch_id) == -ESTUCK:
+                self._on_stuck(ep, stuck_text())
 
     def _native_stats(self) -> dict[str, int]:
-        ep = self._ep
-        live = int(lib.shim_live_batches(ep))  # after close the shim answers 0
-        if live == -ESTUCK:
-            self._on_stuck(ep, stuck_text())
-            live = -1
+        live = 0
+        for ep in self._eps:
+            n = int(lib.shim_live_batches(ep))  # after close the shim answers 0
+            if n == -ESTUCK:
+                self._on_stuck(ep, stuck_text())
+                live = -1
+                break
+            live += n
         return {"native_batches": live, "stale_addresses": self._stale_addrs,
                 "poisoned": int(bool(self._poisoned)), "async_errors": self._async_errors,
-                "endpoints_replaced": self.endpoints_replaced, "endpoints_abandoned": self.endpoints_abandoned}
+                "endpoints_replaced": self.endpoints_replaced, "endpoints_abandoned": self.endpoints_abandoned,
+                "rails": len(self._eps)} | self._load.stats()
 
     def _native_close(self) -> None:
         self._stop_watchdog()
@@ -349,7 +364,7 @@ class LibfabricBackend(Healing, TransferBackend):
         # closing us (close from a callback): never wait for it unboundedly. That is safe
         # because shim_close waits for every thread inside the shim (poller, writers parked
         # in shim_post) to leave, and the struct stays valid until the finalizer frees it.
-        if threading.current_thread() is not self._poller:
-            self._poller.join(timeout=0.2 if self._stuck else 2.0)
+        self._join_pollers(0.2 if self._stuck else 2.0)
         self._shim_closed = True
-        self._release(self._ep)
+        for ep in self._eps:
+            self._release(ep)

@@ -10,9 +10,10 @@ Stuck is found by the next call into the shim (it waits SHIM_STUCK_MS at most), 
 calls in (a poller stuck inside fi_cq_read while the writers wait on their futures), by a
 watchdog thread that asks the shim ten times a second without waiting (shim_check).
 
-Contract with the backend: `_ep`, `_poller`, `_stop`, `_ep_lock` (held for the whole swap, never
-longer than the shim's bound on a stuck endpoint), `_fins` (each endpoint's finalizer), and
-`_open_endpoint` / `_start_poller`.
+Contract with the backend: `_eps` (one endpoint per rail; a stuck rail replaces them all),
+`_stop`, `_ep_lock` (held for the whole swap, never longer than the shim's bound on a stuck
+endpoint), `_fins` (each endpoint's finalizer), and `_open_endpoints` / `_start_poller` /
+`_join_pollers` / `_register_all`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from .native import ESTUCK, EndpointStuck, ffi, lib, register_on, stuck_text
+from .native import ESTUCK, EndpointStuck, ffi, lib, stuck_text
 from ...threads import Thread as NamedThread
 
 log = logging.getLogger("sglang_disagg.backends.libfabric.backend")
@@ -51,11 +52,12 @@ class Healing:
 
     def _watch_loop(self) -> None:
         while not self._watch_stop.wait(_WATCH_S):
-            ep = self._ep
             if self._shim_closed:
                 continue
-            if lib.shim_check(ep) == -ESTUCK:
-                self._on_stuck(ep, stuck_text())
+            for ep in self._eps:
+                if lib.shim_check(ep) == -ESTUCK:
+                    self._on_stuck(ep, stuck_text())
+                    break
 
     @staticmethod
     def _key(ep: Any) -> int:
@@ -70,12 +72,12 @@ class Healing:
             fin.detach()  # freeing it would pull the struct from under the stuck thread
         self.endpoints_abandoned += 1
         log.error("libfabric %s: abandoning an endpoint that cannot be closed (%s); its memory and the thread "
-                  "stuck in it stay until the process exits", self.fi_info["prov"], self._poisoned or stuck_text())
+                  "stuck in it stay until the process exits", self.provider, self._poisoned or stuck_text())
 
     def _on_stuck(self, ep: Any, why: str) -> None:
         """`ep` is stuck inside the provider (EndpointStuck): poison the backend and replace it.
         Not for an endpoint replaced already (a thread that still held the old one)."""
-        if ep is self._ep:
+        if any(ep is e for e in self._eps):
             self._stuck = True
             why = why[why.find("endpoint stuck: "):] if "endpoint stuck: " in why else f"endpoint stuck: {why}"
             self._poison(f"{self.fi_info['prov']} {why}; the endpoint is being replaced")
@@ -109,21 +111,20 @@ class Healing:
                     self._complete_batch(batch_id, f"libfabric: {self._poisoned}", lost=True)
                 for peer in self.peers():
                     peer.close()
-                old_ep, old_poller = self._ep, self._poller
                 self._stop.set()
-                if threading.current_thread() is not old_poller:
-                    old_poller.join(timeout=0.2 if self._stuck else 2.0)  # a stuck one never returns
-                self._release(old_ep)
+                self._join_pollers(0.2 if self._stuck else 2.0)  # a stuck one never returns
+                for old in self._eps:
+                    self._release(old)
                 if self._closed:  # closed meanwhile: nothing to replace it for
                     self._shim_closed = True
                     return
-                new_ep = self._open_endpoint()
+                new_eps = self._open_endpoints()
                 with self._lock:
                     regions = list(self._regions.values())
-                fresh = {r.id: (r, register_on(new_ep, r.addr, r.length, r.memory)) for r, _ in regions}
+                fresh = {r.id: (r, self._register_all(new_eps, r.addr, r.length, r.memory)) for r, _ in regions}
                 with self._lock:
                     self._regions.update(fresh)
-                    self._ep = new_ep
+                    self._eps = new_eps
                 with self._heal_lock:
                     self._poisoned, self._stuck = "", False
                 self._start_poller()

@@ -19,6 +19,9 @@ except ImportError as _e:  # not built: reported by availability() and the const
     ffi = lib = None
     _IMPORT_ERROR = str(_e)
 
+# our provider labels -> libfabric's provider names (RxM over the connected ones)
+PROVIDERS = {"tcp": "tcp;ofi_rxm", "net": "net", "efa": "efa", "verbs": "verbs;ofi_rxm",
+             "sockets": "sockets"}
 # enum fi_hmem_iface (rdma/fi_domain.h), as shim_mr_reg takes it
 FI_HMEM_SYSTEM, FI_HMEM_CUDA = 0, 1
 # shim.h: what a call answers (negated) once the endpoint is stuck, and after how long
