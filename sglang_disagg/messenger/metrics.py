@@ -49,6 +49,8 @@ GAUGES = {  # name -> (help, label)
     "sglang_disagg_rail_bytes": ("KV bytes this server posted through each rail (its --rails, in order; rail 0 "
                                  "only without, or with a backend that has no rails)", "rail"),
     "sglang_disagg_rail_writes": ("KV writes this server posted through each rail", "rail"),
+    "sglang_disagg_rail_up": ("1 while a rail carries writes, 0 while it is down (stalled, then left out until a "
+                              "connection from it reaches the peer again)", "rail"),
 }
 
 

@@ -188,7 +188,8 @@ class Node:
                 "sglang_disagg_rail_bytes": {str(i): stats.get(f"rail{i}_bytes", stats.get("bytes_posted", 0))
                                              for i in range(stats.get("rails", 1))},
                 "sglang_disagg_rail_writes": {str(i): stats.get(f"rail{i}_writes", stats.get("writes_posted", 0))
-                                              for i in range(stats.get("rails", 1))}}
+                                              for i in range(stats.get("rails", 1))},
+                "sglang_disagg_rail_up": {str(i): stats.get(f"rail{i}_up", 1) for i in range(stats.get("rails", 1))}}
 
     def owner_gone(self) -> str:
         """DP group > 0: why the server's backend is out of reach ("" while the owner lives)."""

@@ -6,8 +6,9 @@ peer's by pairing.py and striping batches by bytes). For GPU hosts this package 
 node's topology (topology.py: GPUs and NICs with their PCIe and NUMA positions, from sysfs),
 plans the ranks' rails (plan.py: nearest NIC(s) per GPU, round-robin on CPU) and assigns a
 request's write groups a rail pair (assign.py); the device check prints the plan
-(``python -m sglang_disagg.rails``). That plan is not fed to the backend yet: every rank's
-writes stripe over every rail (docs/backends.md, Rails).
+(``python -m sglang_disagg.rails``). What the backend uses of it: `plan.nearest_rails`, the rails
+a CUDA region's writes prefer (its GPU's nearest); on CPU every rank stripes over every rail, batch
+by batch (docs/backends.md, Rails). numa.py places each rail's progress thread on its NIC's node.
 """
 
 from __future__ import annotations

@@ -88,6 +88,6 @@ def resolve(names: Sequence[str], sysfs: str = "/sys") -> tuple[str, ...]:
 
 
 def interface_names(rails: Sequence[str]) -> list[str]:
-    """The interfaces carrying "ADDRESS/PREFIX" rails (for UCX_NET_DEVICES)."""
+    """The interface carrying each "ADDRESS/PREFIX" rail ("" for one this host lacks)."""
     found = _interfaces()
-    return [n for r in rails for n, (_, addrs) in sorted(found.items()) if r in addrs][:len(rails)]
+    return [next((n for n, (_, addrs) in sorted(found.items()) if r in addrs), "") for r in rails]

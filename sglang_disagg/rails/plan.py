@@ -108,3 +108,16 @@ def describe(plan: RailPlan, topo: Topology, devices: Sequence[str]) -> list[str
     lines.append(f"rails: {', '.join(plan.rails)}; used: {', '.join(plan.used())}")
     lines += [f"  TP rank {r} ({devices[r]}) -> {', '.join(mine)}" for r, mine in enumerate(plan.by_rank)]
     return lines
+
+
+def nearest_rails(gpu_address: str, rails: Sequence[str], topo: Topology) -> tuple[int, ...]:
+    """Indices into `rails` (a server's rail interfaces, in --rails order) of those nearest the
+    GPU at PCI address `gpu_address` ("0000:61:00.0"): what its rank's writes prefer. Every
+    index when the GPU or no rail's PCI position is known (a virtual interface): no preference."""
+    gpu = next((g for g in topo.gpus if g.pci.address.lower() == gpu_address.lower()), None)
+    nics = {n.name: n for n in topo.nics if n.kind is NicKind.NET and n.pci is not None}
+    known = [(i, nics[name]) for i, name in enumerate(rails) if name in nics]
+    if gpu is None or not known:
+        return tuple(range(len(rails)))
+    best = nearest(gpu, [n for _, n in known])
+    return tuple(i for i, n in known if n in best)

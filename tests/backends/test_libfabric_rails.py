@@ -116,3 +116,35 @@ def test_a_rail_on_an_address_this_host_lacks_is_refused_at_open() -> None:
         BackendConfig(rails=("127.0.0.1/8", "127.0.0.1/8"))
     with pytest.raises(ValueError, match="not an IPv4"):
         BackendConfig(rails=("eth0",))
+
+
+def test_a_region_that_prefers_a_rail_writes_through_it() -> None:
+    """What a CUDA region gets on a GPU host (the rails nearest its GPU, registration.py), set by
+    hand here on host memory: its writes take that rail only; other regions still spread."""
+    tx, rx = _backend(("127.0.0.1", "127.0.0.2")), _backend(("127.0.0.3", "127.0.0.4"))
+    try:
+        size = PAGE * 32
+        bufs = [ctypes.create_string_buffer(os.urandom(size), size) for _ in range(2)]
+        dst_buf = ctypes.create_string_buffer(2 * size)
+        near, spread = (tx.register(ctypes.addressof(b), size)[0] for b in bufs)
+        _, desc = rx.register(ctypes.addressof(dst_buf), 2 * size)
+        tx.prefer_rails(near, [1])
+        with pytest.raises(DescriptorError, match="indices of this backend's 2 rails"):
+            tx.prefer_rails(near, [2])
+        peer = tx.connect(rx.address)
+        remote = peer.add_remote_region(desc)
+        pages = list(range(32))
+        for i in range(8):
+            tx.write_pages(peer, near, pages[i * 4:(i + 1) * 4], PAGE, remote, pages[i * 4:(i + 1) * 4], PAGE,
+                           PAGE, 7).wait(10.0)
+        s = tx.stats()
+        assert (s["rail0_bytes"], s["rail1_bytes"]) == (0, size), s
+        for i in range(8):
+            tx.write_pages(peer, spread, pages[i * 4:(i + 1) * 4], PAGE, remote, [32 + p for p in pages[i * 4:(i + 1) * 4]],
+                           PAGE, PAGE, 8).wait(10.0)
+        s = tx.stats()
+        assert s["rail0_bytes"] == size and s["rail1_bytes"] == size, s  # the other region balanced the rails
+        assert dst_buf.raw == bufs[0].raw + bufs[1].raw
+    finally:
+        tx.close()
+        rx.close()

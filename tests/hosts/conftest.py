@@ -58,7 +58,7 @@ def network(hosts_possible, request):
     net.close()
 
 
-LONG_TOKENS = {"long": (1500, 6), "medium": (400, 3), "slow": (700, 1), "rails": (1500, 4)}  # tokens, how many
+LONG_TOKENS = {"long": (1500, 6), "medium": (400, 3), "slow": (700, 1), "rails": (1500, 6)}  # tokens, how many
 LONG_OUTPUT = 4
 
 

@@ -119,3 +119,20 @@ def test_this_machine_has_a_plan():
     topo = read_topology()
     rails = choose_rails(topo, NicKind.NET)
     assert plan_rails(["cpu", "cpu"], topo, rails).used()
+
+
+def test_a_gpu_regions_rails_are_the_interfaces_nearest_its_gpu(machine):
+    """What the libfabric backend prefers for a CUDA region (rails/plan.nearest_rails): the
+    --rails interfaces nearest the region's GPU, found by the GPU's PCI address."""
+    from sglang_disagg.rails.plan import nearest_rails
+
+    topo = machine("dgx_h100")
+    rails = [f"ibp{bus}s0" for _, _, bus in sysfs_tree.DGX_PAIRS]  # every compute NIC's interface, GPU order
+    for i, gpu in enumerate(topo.gpus):
+        assert nearest_rails(gpu.pci.address, rails, topo) == (i,), gpu  # the User Guide's pair
+    assert nearest_rails(topo.gpus[5].pci.address, ["ibp24s0", "ibp192s0"], topo) == (1,)
+    fewer = machine("fewer_nics")
+    assert [nearest_rails(g.pci.address, ["eth0", "eth1"], fewer) for g in fewer.gpus] == [(0,)] * 4 + [(1,)] * 4
+    # a GPU or rails the tree does not show: no preference, every rail
+    assert nearest_rails("0000:ff:00.0", rails, topo) == tuple(range(8))
+    assert nearest_rails(topo.gpus[0].pci.address, ["rail1", "rail2"], topo) == (0, 1)

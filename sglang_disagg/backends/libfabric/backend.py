@@ -32,6 +32,7 @@ import contextlib
 import errno
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -44,6 +45,9 @@ from . import SHM_REFUSED, SHM_WHY
 from . import rails as railmod
 from .healing import Healing
 from .native import PROVIDERS, ESTUCK, EndpointStuck, address_of, endpoint_info, ffi, lib, stuck_text
+from ...rails.choose import interface_names
+from ...rails.numa import place_thread
+from .railwatch import RailWatch
 from .registration import Registration
 from .native import Errbuf as _Errbuf
 from .native import check as _check
@@ -60,7 +64,7 @@ _EV_BATCH, _EV_IMM, _EV_ASYNC, _EV_TAG_FAILED = 1, 2, 3, 4
 log = logging.getLogger(__name__)
 
 
-class LibfabricBackend(Registration, Healing, TransferBackend):
+class LibfabricBackend(RailWatch, Registration, Healing, TransferBackend):
     name = "libfabric"
 
     @classmethod
@@ -104,7 +108,8 @@ class LibfabricBackend(Registration, Healing, TransferBackend):
         self._fins: dict[int, weakref.finalize] = {}
         self._init_healing()
         self._nets = railmod.parse(self.config.rails)
-        self._load = railmod.Load(max(1, len(self._nets)))
+        self._init_rails(max(1, len(self._nets)))
+        self._prefer: dict[int, frozenset[int]] = {}  # region id -> rails its writes prefer (registration.py)
         self._eps = self._open_endpoints()
         self._pollers: list[NamedThread] = []
         self._shim_closed = False
@@ -160,10 +165,12 @@ class LibfabricBackend(Registration, Healing, TransferBackend):
         return ep[0]
 
     def _start_poller(self) -> None:
-        """One progress thread per rail, all stopped by one event (replaced together)."""
+        """One progress thread per rail, all stopped by one event (replaced together); with
+        rails, each placed on its NIC's NUMA node where the host says (rails/numa.py)."""
         self._stop = threading.Event()
-        self._pollers = [NamedThread(target=self._poll_loop, args=(ep, self._stop), daemon=True,
-                                     name="libfabric-progress" + (f"-r{i}" if i else ""))
+        names = interface_names([str(n) for n in self._nets]) if len(self._nets) > 1 else []
+        self._pollers = [NamedThread(target=self._poll_loop, args=(ep, self._stop, names[i] if names else ""),
+                                     daemon=True, name="libfabric-progress" + (f"-r{i}" if i else ""))
                          for i, ep in enumerate(self._eps)]
         for t in self._pollers:
             t.start()
@@ -192,13 +199,14 @@ class LibfabricBackend(Registration, Healing, TransferBackend):
                     raw = theirs[j].address if theirs and self._nets else primary
                     with self._stuck_on(ep := self._eps[i]):
                         _check(lib.shim_av_insert(ep, raw, len(raw), out, err.buf, 256), err, "fi_av_insert")
-                    routes.append(railmod.RailRoute(i, int(out[0]), j if theirs and self._nets else 0))
+                    routes.append(railmod.RailRoute(i, int(out[0]), j if theirs and self._nets else 0, raw))
             except BaseException:
                 self._forget_routes(routes)
                 raise
             peer.native = tuple(routes)
 
     def _native_disconnect(self, peer: Peer) -> None:
+        self._book.forget_peer(peer.id)  # its batches fail with it: no rail of ours stalled
         if peer.native is None:
             return
         if self._shim_closed or self._healing:
@@ -246,14 +254,14 @@ class LibfabricBackend(Registration, Healing, TransferBackend):
         ln = ffi.new("uint64_t[]", [w.length for w in writes])
         return mr, src, raddr, rkey, ln
 
-    def _route(self, peer: Peer, n: int, nbytes: int) -> railmod.RailRoute:
+    def _route(self, peer: Peer, n: int, nbytes: int, src: MemoryRegion) -> railmod.RailRoute:
         routes = peer.native  # None once the peer is dropped; the shim refuses dead ones too
         if routes is None:
             raise PeerLostError(f"peer {peer.address} is {peer.state.value}")
-        return self._load.pick(routes, n, nbytes)
+        return self._book.pick(peer.id, routes, n, nbytes, self._prefer.get(src.id))
 
     def _native_post(self, peer: Peer, batch_id: int, writes: Sequence[PageWrite], imm: int) -> None:
-        route = self._route(peer, len(writes), sum(w.length for w in writes))
+        route = self._route(peer, len(writes), sum(w.length for w in writes), writes[0].src)
         self._post_arrays(peer, route, batch_id, len(writes), self._arrays(writes, route), imm)
 
     def _post_arrays(self, peer: Peer, route: railmod.RailRoute, batch_id: int, n: int, arrays: tuple,
@@ -261,7 +269,10 @@ class LibfabricBackend(Registration, Healing, TransferBackend):
         if self._poisoned:
             raise TransferError(self._poisoned)
         ep, err = self._eps[route.local], _Errbuf()
+        self._book.posted(batch_id, route.local, peer.id, time.monotonic())  # before: its completion may come at once
         ret = lib.shim_post(ep, batch_id, route.fi_addr, n, *arrays, imm, err.buf, 256)
+        if ret:
+            self._book.forget(batch_id)
         if ret == -ESTUCK:
             self._on_stuck(ep, str(err))
             raise EndpointStuck(f"libfabric post: {err}")
@@ -276,7 +287,7 @@ class LibfabricBackend(Registration, Healing, TransferBackend):
     def _native_post_uniform(self, peer: Peer, batch_id: int, src: MemoryRegion, src_offsets: Sequence[int],
                              dst: RemoteRegion, dst_offsets: Sequence[int], length: int, imm: int) -> None:
         n = len(src_offsets)
-        route = self._route(peer, n, n * length)
+        route = self._route(peer, n, n * length, src)
         base, key = railmod.remote_key(dst.descriptor, route.remote)
         arrays = (ffi.new("uint64_t[]", [self._handle(src, route.local)] * n), ffi.new("uint64_t[]", src_offsets),
                   ffi.new("uint64_t[]", [base + o for o in dst_offsets] if base else dst_offsets),
@@ -296,7 +307,14 @@ class LibfabricBackend(Registration, Healing, TransferBackend):
             raise TransferError(f"libfabric raw loop: {err}")
         return int(ns), list(lat)
 
-    def _poll_loop(self, ep: Any, stop: threading.Event) -> None:
+    def _poll_loop(self, ep: Any, stop: threading.Event, interface: str = "") -> None:
+        if interface:
+            try:
+                cpus = place_thread(interface)
+                if cpus is not None:
+                    log.info("libfabric: rail %s's progress thread on CPUs %s (its NUMA node)", interface, sorted(cpus))
+            except OSError as e:
+                log.warning("libfabric: rail %s's progress thread left unplaced: %s", interface, e)
         events = ffi.new("shim_event[]", _EVENTS)
         while not stop.is_set():
             n = lib.shim_poll(ep, events, _EVENTS, _POLL_US)
@@ -314,6 +332,7 @@ class LibfabricBackend(Registration, Healing, TransferBackend):
 
     def _handle_event(self, ev: Any) -> None:
         if ev.kind == _EV_BATCH:
+            self._book.finished(int(ev.id), time.monotonic())
             msg = None if ev.status == 0 else f"{ffi.string(ev.msg).decode(errors='replace')} ({ev.count} writes failed)"
             self._complete_batch(int(ev.id), msg)
         elif ev.kind == _EV_IMM:
@@ -332,7 +351,14 @@ class LibfabricBackend(Registration, Healing, TransferBackend):
             self._async_errors += 1
             self._tracker.transport_error(text)
 
+    def _abandon(self, rail: int, batch_id: int) -> None:
+        """Fail a batch here while its writes stay the provider's (freed unreported when done)."""
+        ep = self._eps[rail]
+        if not self._shim_closed and lib.shim_abandon_batch(ep, batch_id) == -ESTUCK:
+            self._on_stuck(ep, stuck_text())
+
     def _native_expire(self, batch_id: int) -> None:
+        self._book.forget(batch_id)
         for ep in self._eps:  # a batch lives on one rail; the others do not know its id
             if not self._shim_closed and lib.shim_abandon_batch(ep, batch_id) == -ESTUCK:
                 self._on_stuck(ep, stuck_text())
@@ -349,7 +375,7 @@ class LibfabricBackend(Registration, Healing, TransferBackend):
         return {"native_batches": live, "stale_addresses": self._stale_addrs,
                 "poisoned": int(bool(self._poisoned)), "async_errors": self._async_errors,
                 "endpoints_replaced": self.endpoints_replaced, "endpoints_abandoned": self.endpoints_abandoned,
-                "rails": len(self._eps)} | self._load.stats()
+                "rails": len(self._eps)} | self._book.stats()
 
     def _native_close(self) -> None:
         self._stop_watchdog()

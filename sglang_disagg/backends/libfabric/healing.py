@@ -58,6 +58,10 @@ class Healing:
                 if lib.shim_check(ep) == -ESTUCK:
                     self._on_stuck(ep, stuck_text())
                     break
+            try:
+                self._rail_tick()  # railwatch.py: a stalled rail, a down rail's probe
+            except Exception:  # noqa: BLE001 - the watchdog must outlive a bug there
+                log.exception("libfabric: watching the rails failed")
 
     @staticmethod
     def _key(ep: Any) -> int:
@@ -108,6 +112,7 @@ class Healing:
                 with self._lock:
                     pending = list(self._batches)
                 for batch_id in pending:  # their writes went with the old endpoint: say why
+                    self._book.forget(batch_id)
                     self._complete_batch(batch_id, f"libfabric: {self._poisoned}", lost=True)
                 for peer in self.peers():
                     peer.close()

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import base64
 import ipaddress
-import threading
+import socket
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,12 +38,14 @@ _U64 = 2**64
 
 @dataclass(frozen=True, slots=True)
 class RailRoute:
-    """How one of our endpoints reaches a peer: its AV address there, and which of the peer's
-    rails it is (the index of the key in the peer's descriptors)."""
+    """How one of our endpoints reaches a peer: its AV address there, which of the peer's rails
+    it is (the index of the key in the peer's descriptors), and that rail's raw address (what a
+    reachability probe connects to)."""
 
     local: int
     fi_addr: int
     remote: int
+    address: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,23 +128,22 @@ def remote_key(d: RegionDescriptor, rail: int) -> tuple[int, int]:
     return base, key
 
 
-class Load:
-    """Bytes and writes each local rail carried; picks the least-loaded of a peer's routes."""
+def sockaddr(raw: bytes) -> tuple[str, int] | None:
+    """(IPv4, port) of a tcp provider's address (a struct sockaddr_in), None for any other."""
+    if len(raw) < 8 or struct.unpack("=H", raw[:2])[0] != socket.AF_INET:
+        return None
+    return socket.inet_ntoa(raw[4:8]), struct.unpack("!H", raw[2:4])[0]
 
-    def __init__(self, rails: int) -> None:
-        self._lock = threading.Lock()
-        self.bytes = [0] * rails
-        self.writes = [0] * rails
 
-    def pick(self, routes: Sequence[RailRoute], n: int, nbytes: int) -> RailRoute:
-        with self._lock:  # scheduler and streamer threads post concurrently
-            best = min(routes, key=lambda r: self.bytes[r.local])
-            self.bytes[best.local] += nbytes
-            self.writes[best.local] += n
-        return best
-
-    def stats(self) -> dict[str, int]:
-        out = {}
-        for i, (b, w) in enumerate(zip(self.bytes, self.writes)):
-            out[f"rail{i}_bytes"], out[f"rail{i}_writes"] = b, w
-        return out
+def reachable(source: str, raw: bytes, timeout_s: float) -> bool:
+    """Whether a TCP connection from `source` reaches the peer rail at `raw` (its listening
+    socket) within `timeout_s`: what says a rail whose link went down is back. Non-tcp
+    addresses (verbs, efa) cannot be probed this way: reported reachable."""
+    where = sockaddr(raw)
+    if where is None:
+        return True
+    try:
+        with socket.create_connection(where, timeout=timeout_s, source_address=(source, 0)):
+            return True
+    except OSError:
+        return False

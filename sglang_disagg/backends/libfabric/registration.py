@@ -1,26 +1,73 @@
 """How the libfabric backend registers memory (a mixin of it): on every rail's endpoint, host
 memory as FI_HMEM_SYSTEM, CUDA memory as FI_HMEM_CUDA on an endpoint opened with FI_HMEM (the
-first device registration reopens the endpoints with it), and deregisters on every rail.
+first device registration reopens the endpoints with it), and deregisters on every rail. With
+several rails, a CUDA region's writes prefer the rails nearest its GPU (`_prefer`, by region id;
+rails/plan.nearest_rails over the host's PCIe tree), as the rail plan gives its rank.
 
-Contract with the backend: `_eps`, `_ep_lock`, `_hmem`, `_regions`, `peers()`, `_stop`,
-`_open_endpoints`, `_release`, `_join_pollers`, `_read_info`, `_start_poller`, `_stuck_on`,
-`_shim_closed`, `provider`.
+Contract with the backend: `_eps`, `_nets`, `_prefer`, `_ep_lock`, `_hmem`, `_regions`,
+`peers()`, `_stop`, `_open_endpoints`, `_release`, `_join_pollers`, `_read_info`,
+`_start_poller`, `_stuck_on`, `_shim_closed`, `provider`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import BackendUnavailable, TransferError, UnsupportedMemory
-from ..regions import Memory, MemoryKind, NativeRegistration
+from ..errors import BackendUnavailable, DescriptorError, TransferError, UnsupportedMemory
+from ..regions import HOST, Memory, MemoryKind, MemoryRegion, NativeRegistration
 from .native import PROVIDERS, EndpointStuck, lib, register_on
 from .native import Errbuf as _Errbuf
 from .native import check as _check
 
+log = logging.getLogger("sglang_disagg.backends.libfabric.backend")
+
 
 class Registration:
+    def register(self, addr: int, length: int, memory: Memory = HOST) -> tuple[MemoryRegion, bytes]:
+        region, desc = super().register(addr, length, memory)
+        near = self._device_rails(memory)
+        if near is not None:
+            self.prefer_rails(region, near)
+        return region, desc
+
+    def deregister(self, region: MemoryRegion) -> None:
+        super().deregister(region)
+        self._prefer.pop(region.id, None)
+
+    def prefer_rails(self, region: MemoryRegion, rails: Sequence[int]) -> None:
+        """Writes from `region` leave through these rails while one of them is up for the peer
+        (else through any): on a GPU host the rails nearest the region's GPU, set at register."""
+        rails = tuple(rails)
+        if region.id not in self._regions:
+            raise DescriptorError(f"region {region.id} is not registered here")
+        if not rails or any(not isinstance(r, int) or not 0 <= r < len(self._eps) for r in rails):
+            raise DescriptorError(f"rails {rails!r}: need indices of this backend's {len(self._eps)} rails")
+        self._prefer[region.id] = frozenset(rails)
+
+    def _device_rails(self, memory: Memory) -> tuple[int, ...] | None:
+        """CUDA memory with several rails: the rails nearest its GPU by the PCIe tree (sysfs);
+        None (every rail alike) for host memory, one rail, or a topology that cannot be read."""
+        if memory.kind is not MemoryKind.CUDA or len(self._eps) < 2:
+            return None
+        try:
+            import torch
+
+            from ...rails.choose import interface_names
+            from ...rails.plan import nearest_rails
+            from ...rails.topology import read_topology
+
+            p = torch.cuda.get_device_properties(memory.device)
+            address = f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
+            near = nearest_rails(address, interface_names([str(n) for n in self._nets]), read_topology())
+        except Exception as e:  # noqa: BLE001 - a preference, not a requirement: say why it is off
+            log.warning("libfabric: no nearest-rail preference for %s (%s): every rail carries its writes", memory, e)
+            return None
+        log.info("libfabric: %s writes through rails %s (nearest its GPU at %s)", memory, list(near), address)
+        return near
+
     def _native_register(self, addr: int, length: int, memory: Memory) -> NativeRegistration:
         with self._ep_lock:
             if memory.kind is MemoryKind.HOST:
