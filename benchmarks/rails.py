@@ -18,8 +18,9 @@ to one rail's cap and to the same backend over one rail, and the share of the di
 
 `libfabric-tcp` is our backend as the messenger starts it without --rails (one endpoint on the
 host address); `libfabric-tcp-rails` with an endpoint per interface (what --rails auto gives it),
-striping each transfer's batches over them. NIXL and Mooncake as they are: which of them
-stripe, bind one NIC, or cannot.
+striping each transfer's batches over them. `nixl` with UCX_NET_DEVICES=all (the launcher's
+setting off loopback), `nixl-rails` with the interface list and UCX_MAX_RMA_RAILS that --rails
+gives it; Mooncake as it is: which of them stripe, bind one NIC, or cannot.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ WORKER = Path(__file__).with_name("rails_worker.py")
 # "+rails": the backend opens an endpoint per interface of its host (--rails auto); the others as
 # the messenger starts them without --rails
 BACKENDS = {"libfabric-tcp": ("libfabric", "tcp"), "libfabric-tcp-rails": ("libfabric", "tcp+rails"),
-            "nixl": ("nixl", "-"), "mooncake": ("mooncake", "-")}
+            "nixl": ("nixl", "-"), "nixl-rails": ("nixl", "-"), "mooncake": ("mooncake", "-")}
 PORT = 7300
 
 
@@ -64,6 +65,9 @@ def measure(net: netns.Network, label: str, args: argparse.Namespace, work: Path
     a, b = net["a"], net["b"]
     d = Path(tempfile.mkdtemp(prefix=f"rails-{label}-", dir=work))
     env = dict(os.environ, UCX_NET_DEVICES="all")
+    if label == "nixl-rails":  # what `--rails eth0,rail1,...` gives NIXL's servers (launch/commands.py)
+        names = interfaces(a)
+        env.update(UCX_NET_DEVICES=",".join(names), UCX_MAX_RMA_RAILS=str(min(len(names), 4)))
     port = PORT + list(BACKENDS).index(label)  # one port each: nothing of the last one may still hold it
     listener = subprocess.Popen(b.argv([sys.executable, str(WORKER), "listen", backend, provider, b.address, str(port),
                                         str(d), str(args.mib)]), env=env, stdout=subprocess.DEVNULL,

@@ -94,3 +94,17 @@ def test_rails_per_group_in_a_deployment_file_reach_the_launcher_and_the_renderi
     assert "--rails eth0,rail1" in slurm(dep) and "--rails auto" in slurm(dep)
     with pytest.raises(DeploymentError, match=r"prefill\[0\]\.rails: --rails: auto stands alone"):
         parse_doc(tomllib.loads(DOC.replace('["eth0", "rail1"]', '["auto", "eth0"]')))
+
+
+def test_a_rail_that_is_down_or_has_no_address_is_refused_and_auto_skips_it(monkeypatch):
+    """The interface table is faked here (the logic in isolation): a rail that never comes up is
+    refused at start with the reason, never waited for."""
+    found = {"eth0": (True, ["10.77.0.1/24"]), "rail1": (False, ["10.77.1.1/24"]), "rail2": (True, []),
+             "rail3": (True, ["10.77.3.1/24"]), "lo": (True, ["127.0.0.1/8"])}
+    monkeypatch.setattr(choose, "_interfaces", lambda: found)
+    with pytest.raises(ValueError, match="interface 'rail1' is down; interfaces: .*rail1 \\(down"):
+        choose.resolve(["eth0", "rail1"])
+    with pytest.raises(ValueError, match="interface 'rail2' is without an IPv4 address"):
+        choose.resolve(["rail2"])
+    assert choose.resolve(["auto"], sysfs="/nonexistent") == ("10.77.0.1/24", "10.77.3.1/24")
+    assert choose.interface_names(["10.77.3.1/24", "10.9.9.9/24"]) == ["rail3", ""]
