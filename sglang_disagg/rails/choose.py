@@ -12,7 +12,6 @@ interface that reaches none of a peer's rails is left out for that peer at first
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -39,18 +38,14 @@ def parse_flag(text: str) -> tuple[str, ...]:
 
 
 def _interfaces() -> dict[str, tuple[bool, list[str]]]:
-    """name -> (up, ["ADDRESS/PREFIX", ...] IPv4)."""
-    import ipaddress
-
+    """name -> (up, ["ADDRESS/PREFIX", ...] IPv4), from the process's own network namespace."""
     import psutil
 
+    from .pairing import ipv4_by_interface
+
     stats = psutil.net_if_stats()
-    out = {}
-    for name, addrs in psutil.net_if_addrs().items():
-        v4 = [str(ipaddress.IPv4Interface(f"{a.address}/{a.netmask}")) for a in addrs
-              if a.family == socket.AF_INET and a.netmask]
-        out[name] = (bool(stats.get(name) and stats[name].isup), v4)
-    return out
+    return {name: (bool(stats.get(name) and stats[name].isup), [str(a) for a in v4])
+            for name, v4 in ipv4_by_interface().items()}
 
 
 def _describe(found: dict[str, tuple[bool, list[str]]]) -> str:
@@ -59,6 +54,9 @@ def _describe(found: dict[str, tuple[bool, list[str]]]) -> str:
 
 
 def _is_bridge(name: str, sysfs: str) -> bool:
+    # Not topology.read_topology(): a process in a network namespace without its own sysfs mount
+    # (the namespace hosts) sees the root namespace's /sys/class/net, so interfaces come from
+    # psutil (the process's namespace) and sysfs is only asked about the bridge flag.
     return os.path.isdir(Path(sysfs) / "class/net" / name / "bridge")
 
 

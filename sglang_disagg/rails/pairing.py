@@ -50,13 +50,19 @@ def _show(rails: Mapping[str, Sequence[Address]]) -> str:
     return ", ".join(f"{n} ({' '.join(str(a) for a in addrs) or 'no address'})" for n, addrs in rails.items()) or "none"
 
 
-def interface_addresses(name: str) -> list[ipaddress.IPv4Interface]:
-    """The IPv4 addresses of interface `name` with their netmasks ([] when it has none or does
-    not exist): what a tcp rail binds its endpoint to. IPv4 only: every link has an IPv6
-    link-local address on the same fe80::/64, which would pair every rail with every rail."""
+def ipv4_by_interface() -> dict[str, list[ipaddress.IPv4Interface]]:
+    """Every interface of this host -> its IPv4 addresses with their netmasks (one read): what a
+    tcp rail binds its endpoint to. IPv4 only: every link has an IPv6 link-local address on the
+    same fe80::/64, which would pair every rail with every rail."""
     import socket
 
     import psutil  # as launch/checks.py reads the host's addresses
 
-    return [ipaddress.IPv4Interface(f"{a.address}/{a.netmask}") for a in psutil.net_if_addrs().get(name, ())
-            if a.family == socket.AF_INET and a.netmask]
+    return {name: [ipaddress.IPv4Interface(f"{a.address}/{a.netmask}") for a in addrs
+                   if a.family == socket.AF_INET and a.netmask]
+            for name, addrs in psutil.net_if_addrs().items()}
+
+
+def interface_addresses(name: str) -> list[ipaddress.IPv4Interface]:
+    """The IPv4 addresses of interface `name` ([] when it has none or does not exist)."""
+    return ipv4_by_interface().get(name, [])

@@ -110,6 +110,7 @@ class LibfabricBackend(RailWatch, Registration, Healing, TransferBackend):
         self._nets = railmod.parse(self.config.rails)
         self._init_rails(max(1, len(self._nets)))
         self._prefer: dict[int, frozenset[int]] = {}  # region id -> rails its writes prefer (registration.py)
+        self._near: dict[int, tuple[int, ...] | None] = {}  # CUDA device -> its nearest rails (read once)
         self._eps = self._open_endpoints()
         self._pollers: list[NamedThread] = []
         self._shim_closed = False
@@ -359,9 +360,8 @@ class LibfabricBackend(RailWatch, Registration, Healing, TransferBackend):
 
     def _native_expire(self, batch_id: int) -> None:
         self._book.forget(batch_id)
-        for ep in self._eps:  # a batch lives on one rail; the others do not know its id
-            if not self._shim_closed and lib.shim_abandon_batch(ep, batch_id) == -ESTUCK:
-                self._on_stuck(ep, stuck_text())
+        for rail in range(len(self._eps)):  # a batch lives on one rail; the others do not know its id
+            self._abandon(rail, batch_id)
 
     def _native_stats(self) -> dict[str, int]:
         live = 0

@@ -4,7 +4,7 @@ first device registration reopens the endpoints with it), and deregisters on eve
 several rails, a CUDA region's writes prefer the rails nearest its GPU (`_prefer`, by region id;
 rails/plan.nearest_rails over the host's PCIe tree), as the rail plan gives its rank.
 
-Contract with the backend: `_eps`, `_nets`, `_prefer`, `_ep_lock`, `_hmem`, `_regions`,
+Contract with the backend: `_eps`, `_nets`, `_prefer`, `_near`, `_ep_lock`, `_hmem`, `_regions`,
 `peers()`, `_stop`, `_open_endpoints`, `_release`, `_join_pollers`, `_read_info`,
 `_start_poller`, `_stuck_on`, `_shim_closed`, `provider`.
 """
@@ -52,6 +52,11 @@ class Registration:
         None (every rail alike) for host memory, one rail, or a topology that cannot be read."""
         if memory.kind is not MemoryKind.CUDA or len(self._eps) < 2:
             return None
+        if memory.device not in self._near:  # a rank registers a region per layer and kind: read sysfs once
+            self._near[memory.device] = self._nearest_of(memory)
+        return self._near[memory.device]
+
+    def _nearest_of(self, memory: Memory) -> tuple[int, ...] | None:
         try:
             import torch
 
