@@ -1,5 +1,5 @@
 """libfabric rails in one process, on loopback addresses (127.0.0.0/8 holds as many as we like,
-all one network): one endpoint per rail, every rail registers every region, writes spread by
+all one network): one endpoint per rail, each rail registers the regions it carries, writes spread by
 bytes over the rails and exact, completion counted over every rail's queue, different rail
 counts on the two sides, and a peer's rail list read as untrusted. Across real interfaces
 (one subnet per rail, the kernel's counters) see tests/hosts/test_rails_e2e.py."""
@@ -73,11 +73,14 @@ def test_rails_pair_by_network_and_unpaired_rails_are_left_out() -> None:
     nets = rails.parse(["10.77.0.1/24", "10.77.1.1/24", "10.77.2.1/24"])
     theirs = [rails.PeerRail(b"", n) for n in rails.parse(["10.77.1.2/24", "10.77.0.2/24"])]
     # by network, not by index: our rail 0 (10.77.0) writes to their rail 1 (10.77.0); rail 2 reaches nothing
-    assert rails.pairing(nets, theirs) == [1, 0, None]
+    assert rails.pairing(nets, theirs) == [[1], [0], []]
     with pytest.raises(TransferError, match="no local rail shares a network"):
         rails.pairing(rails.parse(["10.9.0.1/24"]), theirs)
-    assert rails.pairing([], theirs) == [0]  # we have no rails: our one endpoint to their primary address
-    assert rails.pairing(nets, []) == [0, None, None]  # they have none: rail 0 only, to their one endpoint
+    assert rails.pairing([], theirs) == [[0]]  # we have no rails: our one endpoint to their primary address
+    assert rails.pairing(nets, []) == [[0], [], []]  # they have none: rail 0 only, to their one endpoint
+    # one network for all: every peer rail is reachable, the same index first (equal counts pair 1:1)
+    one = [rails.PeerRail(b"", n) for n in rails.parse(["10.5.0.2/16", "10.5.0.3/16", "10.5.0.4/16"])]
+    assert rails.pairing(rails.parse(["10.5.1.1/16", "10.5.1.2/16"]), one) == [[0, 1, 2], [1, 0, 2]]
 
 
 def test_a_peers_rail_list_is_untrusted() -> None:
@@ -99,12 +102,17 @@ def test_a_peers_rail_list_is_untrusted() -> None:
         peer = types.SimpleNamespace(endpoint=dict(info, rails=[forged, good]), address="hostile:1", native=None)
         with pytest.raises(TransferError, match="peer address"):
             be._native_connect(peer)
-        for extra in ({"rails": "x"}, {"rails": [[1]]}, {"rails": [[1, -1]]}, {"rails": [[0, 0]] * rails.MAX_RAILS}):
+        for extra in ({"rails": "x"}, {"rails": [[1]]}, {"rails": [[1, -1]]}, {"rails": [[0, 0]] * rails.MAX_RAILS},
+                      {"rails": [[0, 6]], "carriers": [2]}, {"carriers": []}, {"rails": [[0, 6]], "carriers": [1, 1]},
+                      {"carriers": [True]}, {"carriers": "0"}):
             d = RegionDescriptor(1, "libfabric", "tcp", "o", 1, 10, 0, 5, extra)
             with pytest.raises(DescriptorError, match="rail"):
                 rails.check_descriptor(d)
         with pytest.raises(DescriptorError, match="no key for its rail 2"):
             rails.remote_key(RegionDescriptor(1, "libfabric", "tcp", "o", 1, 10, 0, 5, {"rails": [[0, 6]]}), 2)
+        with pytest.raises(DescriptorError, match="not registered on its rail 0 \\(carried by \\[1\\]\\)"):
+            rails.remote_key(RegionDescriptor(1, "libfabric", "tcp", "o", 1, 10, 0, 5,
+                                              {"rails": [[0, 6]], "carriers": [1]}), 0)
     finally:
         be.close()
 
@@ -118,21 +126,28 @@ def test_a_rail_on_an_address_this_host_lacks_is_refused_at_open() -> None:
         BackendConfig(rails=("eth0",))
 
 
-def test_a_region_that_prefers_a_rail_writes_through_it() -> None:
-    """What a CUDA region gets on a GPU host (the rails nearest its GPU, registration.py), set by
-    hand here on host memory: its writes take that rail only; other regions still spread."""
+def test_each_rail_registers_only_the_regions_it_carries() -> None:
+    """What a CUDA region gets on a GPU host (carried by the rails nearest its GPU,
+    registration.py), asked for by hand here on host memory: only those rails register it, its
+    writes leave through them and land through the peer rails that registered the destination;
+    other regions still spread over every rail."""
     tx, rx = _backend(("127.0.0.1", "127.0.0.2")), _backend(("127.0.0.3", "127.0.0.4"))
     try:
         size = PAGE * 32
         bufs = [ctypes.create_string_buffer(os.urandom(size), size) for _ in range(2)]
-        dst_buf = ctypes.create_string_buffer(2 * size)
-        near, spread = (tx.register(ctypes.addressof(b), size)[0] for b in bufs)
-        _, desc = rx.register(ctypes.addressof(dst_buf), 2 * size)
-        tx.prefer_rails(near, [1])
+        dst_buf, only0_buf = ctypes.create_string_buffer(2 * size), ctypes.create_string_buffer(size)
+        near, ndesc = tx.register_on_rails(ctypes.addressof(bufs[0]), size, rails=[1])
+        spread, _ = tx.register(ctypes.addressof(bufs[1]), size)
         with pytest.raises(DescriptorError, match="indices of this backend's 2 rails"):
-            tx.prefer_rails(near, [2])
+            tx.register_on_rails(ctypes.addressof(bufs[1]), size, rails=[2])
+        assert tx.carriers(near) == (1,) and tx.carriers(spread) == (0, 1)
+        assert tx._regions[near.id][1].handle[0] is None  # rail 0 never registered it
+        d = RegionDescriptor.from_bytes(ndesc)
+        assert d.extra["carriers"] == [1] and d.extra["rails"][0][1] == d.key  # the key is its carrier's
+        _, desc = rx.register(ctypes.addressof(dst_buf), 2 * size)
+        _, only0 = rx.register_on_rails(ctypes.addressof(only0_buf), size, rails=[0])
         peer = tx.connect(rx.address)
-        remote = peer.add_remote_region(desc)
+        remote, remote0 = peer.add_remote_region(desc), peer.add_remote_region(only0)
         pages = list(range(32))
         for i in range(8):
             tx.write_pages(peer, near, pages[i * 4:(i + 1) * 4], PAGE, remote, pages[i * 4:(i + 1) * 4], PAGE,
@@ -145,6 +160,11 @@ def test_a_region_that_prefers_a_rail_writes_through_it() -> None:
         s = tx.stats()
         assert s["rail0_bytes"] == size and s["rail1_bytes"] == size, s  # the other region balanced the rails
         assert dst_buf.raw == bufs[0].raw + bufs[1].raw
+        # our rail 1 to their rail 0 (not its paired rail 1, which does not hold the destination)
+        landed = rx.expect(9, 32, 10.0)
+        tx.write_pages(peer, near, pages, PAGE, remote0, pages, PAGE, PAGE, 9).wait(10.0)
+        assert landed.wait(10.0) == 32 and only0_buf.raw == bufs[0].raw
+        assert tx.stats()["rail1_bytes"] == 2 * size
     finally:
         tx.close()
         rx.close()

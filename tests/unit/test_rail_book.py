@@ -73,13 +73,6 @@ def test_only_a_tcp_address_can_be_probed():
     assert sockaddr(b"") is None
 
 
-def test_a_regions_preferred_rails_carry_its_writes_while_one_is_up():
-    book = RailBook(2)
-    assert {book.pick(P, ROUTES, 1, 10, frozenset({1})).local for _ in range(4)} == {1}  # not balanced away
-    book.mark(1, P, RailState.DOWN)
-    assert book.pick(P, ROUTES, 1, 10, frozenset({1})).local == 0  # its rail is down: any up rail
-
-
 def test_a_rail_that_comes_back_starts_even_instead_of_taking_every_batch():
     book = RailBook(2)
     book.mark(1, P, RailState.DOWN)
@@ -88,3 +81,20 @@ def test_a_rail_that_comes_back_starts_even_instead_of_taking_every_batch():
     book.mark(1, P, RailState.UP)
     assert [book.pick(P, ROUTES, 1, 100).local for _ in range(4)] == [0, 1, 0, 1]
     assert book.bytes == [1200, 200]  # the lifetime counts (metrics) are kept
+
+
+def test_a_batch_takes_only_routes_between_rails_that_registered_its_regions():
+    """Each rail registers only the regions it carries (registration.py): a route from a rail
+    without the source, or to a peer rail without the destination, is never taken; with none
+    left the batch is refused with both sides' carriers, not posted with a key that is not there."""
+    routes = (RailRoute(0, 10, 0), RailRoute(0, 12, 1), RailRoute(1, 11, 1), RailRoute(1, 13, 0))
+    book = RailBook(2)
+    assert {(r.local, r.remote) for r in (book.pick(P, routes, 1, 10, frozenset({1})) for _ in range(4))} == {(1, 1)}
+    # their region only on their rail 0: our rail 1 writes to it through route (1, 0), its second
+    assert book.pick(P, routes, 1, 10, frozenset({1}), frozenset({0})) == routes[3]
+    with pytest.raises(TransferError, match=r"ours: \[1\]\) to a rail holding the destination \(theirs: \[2\]\)"):
+        book.pick(P, routes, 1, 10, frozenset({1}), frozenset({2}))
+    book.mark(1, P, RailState.DOWN)
+    with pytest.raises(TransferError, match="every rail to this peer is down"):
+        book.pick(P, routes, 1, 10, frozenset({1}))
+    assert book.pick(P, routes, 1, 10).local == 0  # a region every rail carries still goes

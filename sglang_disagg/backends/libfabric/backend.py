@@ -109,7 +109,7 @@ class LibfabricBackend(RailWatch, Registration, Healing, TransferBackend):
         self._init_healing()
         self._nets = railmod.parse(self.config.rails)
         self._init_rails(max(1, len(self._nets)))
-        self._prefer: dict[int, frozenset[int]] = {}  # region id -> rails its writes prefer (registration.py)
+        self._asked = threading.local()  # register_on_rails(rails=...) -> _native_register, per thread
         self._near: dict[int, tuple[int, ...] | None] = {}  # CUDA device -> its nearest rails (read once)
         self._eps = self._open_endpoints()
         self._pollers: list[NamedThread] = []
@@ -194,13 +194,12 @@ class LibfabricBackend(RailWatch, Registration, Healing, TransferBackend):
         # a peer connecting while the endpoint is replaced joins the new one
         with self._ep_lock:
             try:
-                for i, j in enumerate(targets):
-                    if j is None:
-                        continue
-                    raw = theirs[j].address if theirs and self._nets else primary
-                    with self._stuck_on(ep := self._eps[i]):
-                        _check(lib.shim_av_insert(ep, raw, len(raw), out, err.buf, 256), err, "fi_av_insert")
-                    routes.append(railmod.RailRoute(i, int(out[0]), j if theirs and self._nets else 0, raw))
+                for i, reach in enumerate(targets):
+                    for j in reach:  # the paired rail first: with equal weights it is the one taken
+                        raw = theirs[j].address if theirs and self._nets else primary
+                        with self._stuck_on(ep := self._eps[i]):
+                            _check(lib.shim_av_insert(ep, raw, len(raw), out, err.buf, 256), err, "fi_av_insert")
+                        routes.append(railmod.RailRoute(i, int(out[0]), j if theirs and self._nets else 0, raw))
             except BaseException:
                 self._forget_routes(routes)
                 raise
@@ -243,6 +242,8 @@ class LibfabricBackend(RailWatch, Registration, Healing, TransferBackend):
         entry = self._regions.get(region.id)
         if entry is None:
             raise DescriptorError(f"source region {region.id} was deregistered")
+        if entry[1].handle[rail] is None:  # the route was chosen among its carriers: a bug if reached
+            raise DescriptorError(f"source region {region.id} is not registered on rail {rail}")
         return entry[1].handle[rail]
 
     def _arrays(self, writes: Sequence[PageWrite], route: railmod.RailRoute | None = None) -> tuple:
@@ -255,14 +256,20 @@ class LibfabricBackend(RailWatch, Registration, Healing, TransferBackend):
         ln = ffi.new("uint64_t[]", [w.length for w in writes])
         return mr, src, raddr, rkey, ln
 
-    def _route(self, peer: Peer, n: int, nbytes: int, src: MemoryRegion) -> railmod.RailRoute:
+    def _route(self, peer: Peer, n: int, nbytes: int, src: Sequence[MemoryRegion],
+               dst: Sequence[RemoteRegion]) -> railmod.RailRoute:
+        """Among the routes from a rail carrying every `src` to a peer rail carrying every `dst`."""
         routes = peer.native  # None once the peer is dropped; the shim refuses dead ones too
         if routes is None:
             raise PeerLostError(f"peer {peer.address} is {peer.state.value}")
-        return self._book.pick(peer.id, routes, n, nbytes, self._prefer.get(src.id))
+        ours = railmod.common([frozenset(self.carriers(r)) for r in src])
+        theirs = railmod.common([railmod.carriers(d.descriptor) for d in dst])
+        return self._book.pick(peer.id, routes, n, nbytes, ours, theirs)
 
     def _native_post(self, peer: Peer, batch_id: int, writes: Sequence[PageWrite], imm: int) -> None:
-        route = self._route(peer, len(writes), sum(w.length for w in writes), writes[0].src)
+        route = self._route(peer, len(writes), sum(w.length for w in writes),
+                            list({w.src.id: w.src for w in writes}.values()),
+                            list({w.dst.descriptor.region: w.dst for w in writes}.values()))
         self._post_arrays(peer, route, batch_id, len(writes), self._arrays(writes, route), imm)
 
     def _post_arrays(self, peer: Peer, route: railmod.RailRoute, batch_id: int, n: int, arrays: tuple,
@@ -288,7 +295,7 @@ class LibfabricBackend(RailWatch, Registration, Healing, TransferBackend):
     def _native_post_uniform(self, peer: Peer, batch_id: int, src: MemoryRegion, src_offsets: Sequence[int],
                              dst: RemoteRegion, dst_offsets: Sequence[int], length: int, imm: int) -> None:
         n = len(src_offsets)
-        route = self._route(peer, n, n * length, src)
+        route = self._route(peer, n, n * length, [src], [dst])
         base, key = railmod.remote_key(dst.descriptor, route.remote)
         arrays = (ffi.new("uint64_t[]", [self._handle(src, route.local)] * n), ffi.new("uint64_t[]", src_offsets),
                   ffi.new("uint64_t[]", [base + o for o in dst_offsets] if base else dst_offsets),

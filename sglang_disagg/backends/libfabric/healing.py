@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from .native import ESTUCK, EndpointStuck, ffi, lib, stuck_text
+from .registration import carried_by
 from ...threads import Thread as NamedThread
 
 log = logging.getLogger("sglang_disagg.backends.libfabric.backend")
@@ -126,7 +127,8 @@ class Healing:
                 new_eps = self._open_endpoints()
                 with self._lock:
                     regions = list(self._regions.values())
-                fresh = {r.id: (r, self._register_all(new_eps, r.addr, r.length, r.memory)) for r, _ in regions}
+                fresh = {r.id: (r, self._register_all(new_eps, r.addr, r.length, r.memory, carried_by(reg)))
+                         for r, reg in regions}
                 with self._lock:
                     self._regions.update(fresh)
                     self._eps = new_eps

@@ -9,12 +9,15 @@ control connection stays on `host` whatever the rails are.
 
 First contact: the HELLO's endpoint info carries `fi_addr` (rail 0's, what a peer without
 rails uses) and, with rails, `rails`: per rail its address and network. A local rail writes to
-a peer rail on one of its networks (rails/pairing.py); when several qualify, local rail i takes
-the one with the same index if it is among them, else the (i mod n)-th, so equal rail counts
-pair one to one. Without rails on either side only rail 0 is used, to the peer's `fi_addr`.
+the peer rails on one of its networks (rails/pairing.py), one route each; the paired one first:
+local rail i's is the one with the same index if it is among them, else the (i mod n)-th, so equal
+rail counts pair one to one while the regions allow it. Without rails on either side only rail 0
+is used, to the peer's `fi_addr`.
 
-Every rail registers every region (each libfabric domain registers separately); a region's
-descriptor carries rail 0's key as `key` and the others' in `extra["rails"]`. The decoder
+Each rail registers the regions it carries (registration.py; each libfabric domain registers
+separately); a region's descriptor carries rail 0's key as `key` and the others' in
+`extra["rails"]`, and `extra["carriers"]` (the rail indices) when not every rail carries it. A
+write goes from a rail carrying its source to a peer rail carrying its destination. The decoder
 counts a tag's writes over every rail's completion queue: the pollers share one tracker.
 """
 
@@ -89,36 +92,65 @@ def peer_rails(endpoint: Mapping[str, Any]) -> tuple[bytes, list[PeerRail]]:
     return primary, out
 
 
-def pairing(local: Sequence[ipaddress.IPv4Interface], remote: Sequence[PeerRail]) -> list[int | None]:
-    """For each local rail, the peer rail it writes to (None: it reaches none of them)."""
+def pairing(local: Sequence[ipaddress.IPv4Interface], remote: Sequence[PeerRail]) -> list[list[int]]:
+    """For each local rail, the peer rails it reaches (a shared network), its paired one first
+    ([]: it reaches none of them)."""
     if not local or not remote:
-        return [0] + [None] * (len(local) - 1) if local else [0]
+        return [[0]] + [[] for _ in local[1:]]
     try:
         p = pair_rails({str(i): [n] for i, n in enumerate(local)}, {str(j): [r.network] for j, r in enumerate(remote)})
     except ValueError as e:
         raise TransferError(f"libfabric rails: {e}") from e
-    out: list[int | None] = []
+    out: list[list[int]] = []
     for i in range(len(local)):
-        mine = [int(j) for j in p.remote_for(str(i))]
-        out.append(None if not mine else i if i in mine else mine[i % len(mine)])
+        mine = sorted(int(j) for j in p.remote_for(str(i)))
+        if mine:
+            first = i if i in mine else mine[i % len(mine)]
+            mine = [first] + [j for j in mine if j != first]
+        out.append(mine)
     return out
 
 
 def check_descriptor(d: RegionDescriptor) -> None:
-    """A peer's descriptor with rails: extra["rails"] = [[base, key], ...] for its rails 1.."""
+    """A peer's descriptor with rails: extra["rails"] = [[base, key], ...] for its rails 1..,
+    extra["carriers"] = the rails that registered it (absent: every rail)."""
     rails = d.extra.get("rails")
-    if rails is None:
-        return
-    if not isinstance(rails, list) or len(rails) >= MAX_RAILS:
-        raise DescriptorError(f"libfabric descriptor: rails must be a list of at most {MAX_RAILS - 1} [base, key]")
-    for i, bk in enumerate(rails, 1):
-        if not (isinstance(bk, list) and len(bk) == 2 and all(isinstance(v, int) and not isinstance(v, bool)
-                                                              and 0 <= v < _U64 for v in bk)):
-            raise DescriptorError(f"libfabric descriptor: rail {i} needs [base, key] as 64-bit unsigned integers")
+    if rails is not None:
+        if not isinstance(rails, list) or len(rails) >= MAX_RAILS:
+            raise DescriptorError(f"libfabric descriptor: rails must be a list of at most {MAX_RAILS - 1} [base, key]")
+        for i, bk in enumerate(rails, 1):
+            if not (isinstance(bk, list) and len(bk) == 2 and all(isinstance(v, int) and not isinstance(v, bool)
+                                                                  and 0 <= v < _U64 for v in bk)):
+                raise DescriptorError(f"libfabric descriptor: rail {i} needs [base, key] as 64-bit unsigned integers")
+    c = d.extra.get("carriers")
+    if c is not None:
+        n = 1 + len(rails or [])
+        if (not isinstance(c, list) or not c or len(c) != len(set(c))
+                or any(not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < n for r in c)):
+            raise DescriptorError(f"libfabric descriptor: carriers must be distinct rail indices below {n}")
+
+
+def carriers(d: RegionDescriptor) -> frozenset[int] | None:
+    """The peer rails that hold keys for this region (None: every rail)."""
+    c = d.extra.get("carriers")
+    return None if c is None else frozenset(c)
+
+
+def common(sets: Sequence[frozenset[int] | None]) -> frozenset[int] | None:
+    """The rails in every set (None stands for every rail)."""
+    out: frozenset[int] | None = None
+    for c in sets:
+        if c is not None:
+            out = c if out is None else out & c
+    return out
 
 
 def remote_key(d: RegionDescriptor, rail: int) -> tuple[int, int]:
     """(base, key) of a peer's region on its rail `rail`."""
+    c = carriers(d)
+    if c is not None and rail not in c:
+        raise DescriptorError(f"the peer's region {d.region} is not registered on its rail {rail} "
+                              f"(carried by {sorted(c)})")
     if rail == 0:
         return d.base, d.key
     rails = d.extra.get("rails") or []

@@ -1,10 +1,11 @@
 """What each rail of the libfabric backend carries, whether it is up, and what happens when one
 stops: `RailBook` (the bookkeeping, pure) and `RailWatch` (a mixin of the backend).
 
-Choosing: each batch goes to the rail, among the peer's routes that are up for that peer (and
-among those the source region prefers, registration.py, while one of them is up), that has carried
-the fewest bytes since the rails last changed state (a rail that comes back starts even with the
-others); with every route down the batch is refused with the reason.
+Choosing: each batch goes to the rail, among the peer's routes that are up for that peer and
+run from a rail carrying the source region to a peer rail carrying the destination
+(registration.py), that has carried the fewest bytes since the rails last changed state (a rail
+that comes back starts even with the others); the first such route of that rail (its paired peer
+rail, rails.py). With no such route, or every one down, the batch is refused with the reason.
 
 A lost rail (two rails or more). A tcp link that goes down stalls its writes rather than
 failing them, so the progress of each (rail, peer) is watched: a rail with batches in flight to a
@@ -68,15 +69,21 @@ class RailBook:
         self._live: dict[int, tuple[Key, float]] = {}  # batch id -> ((rail, peer), posted at)
 
     def pick(self, peer: str, routes: Sequence[railmod.RailRoute], n: int, nbytes: int,
-             prefer: frozenset[int] | None = None) -> railmod.RailRoute:
-        """`prefer`: the source region's rails (nearest its GPU): used while one of them is up."""
+             ours: frozenset[int] | None = None, theirs: frozenset[int] | None = None) -> railmod.RailRoute:
+        """Among routes from one of `ours` (our rails that registered the source; None: any) to
+        one of `theirs` (the peer rails that registered the destination; None: any)."""
         with self._lock:  # scheduler and streamer threads post concurrently
-            up = [r for r in routes if (r.local, peer) not in self._down]
+            fit = [r for r in routes if (ours is None or r.local in ours) and (theirs is None or r.remote in theirs)]
+            if not fit:
+                raise TransferError(
+                    f"libfabric: no route from a rail holding the source region (ours: "
+                    f"{'any' if ours is None else sorted(ours)}) to a rail holding the destination (theirs: "
+                    f"{'any' if theirs is None else sorted(theirs)}); routes to this peer: "
+                    f"{sorted({(r.local, r.remote) for r in routes})}")
+            up = [r for r in fit if (r.local, peer) not in self._down]
             if not up:
-                raise TransferError(f"libfabric: every rail to this peer is down (rails "
-                                    f"{sorted({r.local for r in routes})}); waiting for one to answer again")
-            if prefer:
-                up = [r for r in up if r.local in prefer] or up
+                raise TransferError(f"libfabric: every rail to this peer is down (of those carrying these regions: "
+                                    f"rails {sorted({r.local for r in fit})}); waiting for one to answer again")
             best = min(up, key=lambda r: self._weight[r.local])
             self._weight[best.local] += nbytes
             self.bytes[best.local] += nbytes
@@ -175,7 +182,10 @@ class RailWatch:
 
     def _probe_rails(self) -> None:
         try:
-            routes = {(r.local, p.id): r for p in self.peers() for r in (p.native or ())}
+            routes: dict[tuple[int, str], railmod.RailRoute] = {}
+            for p in self.peers():
+                for r in p.native or ():
+                    routes.setdefault((r.local, p.id), r)  # the rail's paired peer rail
             for rail, peer in self._book.down():
                 route = routes.get((rail, peer))
                 if route is not None and railmod.reachable(str(self._nets[rail].ip), route.address, PROBE_TIMEOUT_S):
