@@ -67,7 +67,7 @@ def test_concurrent_matches_colocated(pd):
 COMMON_THREADS = {"sd:ctl-beat", "sd:ctl-acc", "sd:ctl-reader", "sd:msg-ctl", "sd:msg-link-127"}
 BACKEND_THREADS = {"libfabric": {"sd:fab-prog", "sd:fab-wdog"}, "nixl": {"sd:nixl-prog"},
                    "mooncake": {"sd:mc-note", "sd:mc-lib"}, "shmem": {"sd:shmem-copy"}}
-IDLE_WINDOW_S = 5.0
+IDLE_WINDOW_S = 2.0  # threadcpu reads nanoseconds: 1 % of a core is 20 ms here
 _idle_scheduler: dict[str, float] = {}  # stack label -> its busiest scheduler thread, % of a core
 
 
