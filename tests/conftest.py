@@ -43,7 +43,7 @@ def _stack_label(stack) -> str:
     c = stack.cfg
     return (f"{c.role.value} {c.mode.value} {c.backend or '-'}{'/' + c.provider if c.provider else ''} {c.model} "
             f"tp{c.prefill_tp}/{c.decode_tp} dp{c.prefill_dp}/{c.decode_dp} adp{c.prefill_attn_dp}/{c.decode_attn_dp} "
-            f"{' '.join(c.extra_args)}").strip()
+            f"{' '.join(c.extra_args)} {' '.join(f'{k}={v}' for k, v in sorted(c.env))}").strip()
 
 
 def _deployment_label(dep) -> str:

@@ -227,3 +227,26 @@ def deepseek_reference(tmp_path_factory, stacks):
     from .deepseek_pd import colocated_reference
 
     return colocated_reference(stacks, tmp_path_factory.mktemp("deepseek-pd"))
+
+
+# Modules that run on the pool's default stack (the `stack` fixture, or stacks.get(DEFAULT)) run
+# right after test_equivalence.py, whose last configuration is that stack, and in this order: a
+# module in between that starts another configuration on the pool, or closes it to have the cores
+# to itself, would make each of them start it again (~14 s each; "stack starts" in the summary).
+# test_fuzz.py is last: its second flood runs on libfabric, which replaces the default stack.
+ON_DEFAULT = ("test_messenger.py", "test_metrics.py", "test_liveness.py", "test_local_users.py",
+              "test_relay.py", "test_streaming.py", "test_fuzz.py")
+AFTER = "test_equivalence.py"
+
+
+def pytest_collection_modifyitems(session, config, items):
+    here = Path(__file__).parent
+    mine = [i for i, item in enumerate(items) if Path(item.path).parent == here]
+    if not mine:
+        return
+    block = [items[i] for i in mine]
+    moved = [it for name in ON_DEFAULT for it in block if Path(it.path).name == name]
+    rest = [it for it in block if Path(it.path).name not in ON_DEFAULT]
+    cut = max((k + 1 for k, it in enumerate(rest) if Path(it.path).name == AFTER), default=0)
+    for i, item in zip(mine, rest[:cut] + moved + rest[cut:]):
+        items[i] = item
