@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import os
 import time
+import tomllib
 
 import pytest
 
@@ -47,10 +48,9 @@ def _stack_label(stack) -> str:
 
 
 def _deployment_label(dep) -> str:
-    head = dep.file.read_text().split("[[prefill]]")[0]  # the [deployment] table: model, mode, backend, args
-    return "hosts " + " ".join(line.split("=", 1)[1].strip().strip('"') for line in head.splitlines()
-                               if line.split("=")[0].strip() in ("model", "mode", "backend", "provider", "extra_args")) \
-        + f" {dep.layout}"
+    table = tomllib.loads(dep.file.read_text())["deployment"]
+    return "hosts " + " ".join(str(table[k]) for k in ("model", "mode", "backend", "provider", "extra_args")
+                               if k in table) + f" {dep.layout}"
 
 
 def _counted(cls, label):

@@ -104,25 +104,24 @@ class Registration:
         (None where it does not carry), rail 0's key in the descriptor's `key` (the first
         carrier's when rail 0 is not one), the others' in extra["rails"] ([0, 0] where a rail
         does not carry), extra["carriers"] when not every rail does (rails.py)."""
-        regs: list[tuple[Any, NativeRegistration] | None] = [None] * len(eps)
+        regs: list[NativeRegistration | None] = [None] * len(eps)
         try:
             for i in carriers:
                 with self._stuck_on(eps[i]):
-                    regs[i] = (eps[i], register_on(eps[i], addr, length, memory))
+                    regs[i] = register_on(eps[i], addr, length, memory)
         except BaseException:
-            for got in regs:
-                if got is not None:
+            for ep, reg in zip(eps, regs):
+                if reg is not None:
                     with contextlib.suppress(TransferError):
-                        _check(lib.shim_mr_close(got[0], got[1].handle, (err := _Errbuf()).buf, 256), err,
-                               "fi_close(mr)")
+                        _check(lib.shim_mr_close(ep, reg.handle, (err := _Errbuf()).buf, 256), err, "fi_close(mr)")
             raise
-        first = regs[0][1] if regs[0] else regs[carriers[0]][1]
+        first = regs[0] or regs[carriers[0]]
         extra: dict[str, Any] = {}
         if len(regs) > 1:
-            extra["rails"] = [[g[1].base, g[1].key] if g else [0, 0] for g in regs[1:]]
+            extra["rails"] = [[r.base, r.key] if r else [0, 0] for r in regs[1:]]
         if len(carriers) < len(regs):
             extra["carriers"] = list(carriers)
-        return NativeRegistration(tuple(g[1].handle if g else None for g in regs), first.base, first.key, extra)
+        return NativeRegistration(tuple(r.handle if r else None for r in regs), first.base, first.key, extra)
 
     def _refusal(self, memory: Memory, error: Exception) -> UnsupportedMemory:
         why = str(error).removeprefix("libfabric register: ")
