@@ -250,17 +250,26 @@ def test_a_flapping_decode_link_under_short_requests(nf, reference):
     # on the data and busy control connections backs off past the up phases: a peer may be lost.
     unclear = [e for e in failed if not any(w in e for w in ("lost", "silent", "before the deadline"))]
     assert not unclear, f"failed without a clear reason: {unclear}"
-    leaked = no_leaks(nf, time.monotonic())
+    t1 = time.monotonic()
+    leaked = no_leaks(nf, t1, ("prefill-0", "prefill-1"))
     nf.wait_links_ready()
+    # A request failed by a lost peer keeps its pages on the decoder until every write its prefill
+    # posted has arrived or LATE_WRITES_S has passed (N2's rule): seen in CI, 4 pages still held
+    # 2 s after the last flap. Held past that is a leak.
+    freed, held = nf.released("decode-0", t1, timeout=DRAIN_S)
+    assert held == 0, (f"the decoder still holds {held} pages or requests {DRAIN_S} s after the flapping"
+                       + messenger_log(nf, "decode-0"))
+    leaked += held
     served = len(results) - len(failed)
     row("N4 decode host's link flapping (0.5 s down / 0.5 s up, 5 s)", None, leaked, exact(nf, reference, 5),
         f"{len(results)} short requests in {time.monotonic() - t0:.1f}s: {served} served exact, {len(failed)} failed "
-        f"clearly{' (' + failed[0][:90] + ')' if failed else ''}")
+        f"clearly{' (' + failed[0][:90] + ')' if failed else ''}; the decoder all free {freed:.3f}s after the last flap")
 
 
 def test_the_link_slowed_to_10_mbit_mid_transfer(nf, longs, reference):
     slow, slow_out = longs["slow-0"]   # 700 tokens (2.9 MiB): ~0.6 s at 40 Mbit/s, ~2.3 s once slowed
     prompt, _ = longs["long-3"]        # 1500 tokens (5.9 MiB): ~4.8 s at 10 Mbit/s, plus its forward: past the deadline
+    nf.wait_links_ready()  # starts from ready links whatever the previous row left behind
     try:
         call = nf.mid_transfer("prefill-0", slow, LONG_OUTPUT)
         shaping.cap(nf.net, LAYOUT.decode, 10)
