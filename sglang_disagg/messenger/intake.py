@@ -88,6 +88,10 @@ class Intake:
         elif isinstance(msg, wire.Cancel):
             with self._lock:
                 self._inbox.append(CancelTicket(self._keys.get(peer), msg.tag))
+        elif isinstance(msg, wire.MigrationOrder):  # a decoder's message sent here by mistake: say so at once
+            peer.send(wire.encode(wire.OrderFailed(rid=msg.rid, tag=msg.tag, blame=wire.Blame.ORDER, posted=0,
+                                                   reason="a prefill server holds no running request to migrate")))
+            return
         else:
             logger.warning("messenger: unexpected %s from %s", type(msg).__name__, peer.address)
             return

@@ -17,6 +17,12 @@ Flow (decoder D, prefill server P)::
     D -> P  Cancel       D gave up on the order (client abort, deadline)
     P -> D  Released     P will post no more writes for `tag` and none is in flight
 
+Live migration (sglang_disagg/migration/): a decoder B takes a running request over from a
+decoder A, which then plays P's part with the pages it already holds (Hello/Welcome alike):
+
+    B -> A  MigrationOrder  write the `num_tokens` tokens of A's held request `rid` into
+                            B's pages `dst_pages` with immediate `tag` (nothing is computed)
+
 There is deliberately no "done" message: D counts the writes carrying `tag`.
 """
 
@@ -28,9 +34,9 @@ from typing import ClassVar
 
 from .fields import Codec
 
-WIRE_VERSION = 7  # 2: OrderFailed.blame; 3: KVSpec.draft/draft_layers, PrefillOrder.last_token;
+WIRE_VERSION = 8  # 2: OrderFailed.blame; 3: KVSpec.draft/draft_layers, PrefillOrder.last_token;
 # 4: KVSpec.draft_hidden_size; 5: KVSpec.kv_lora_rank/rope_dim/replicated (MLA); 6: Hello.group (DP);
-# 7: OrderFailed.posted, Released.posted
+# 7: OrderFailed.posted, Released.posted; 8: MigrationOrder
 
 # Bounds on what a peer's message may claim. A server builds lists, plans and loops from these
 # counts (compat.py: list(range(tp)); the planner: one entry per rank, layer and page), so each
@@ -61,6 +67,7 @@ _MOST: dict[str, int] = {
     "Hello.ranks": MAX_TP, "Hello.group": MAX_DP_GROUPS - 1, "Welcome.ranks": MAX_TP,
     "PrefillOrder.token_ids": MAX_TOKENS, "PrefillOrder.dst_pages": MAX_PAGES, "PrefillOrder.start_page": MAX_PAGES,
     "PrefillOrder.last_token": MAX_TOKEN_ID,
+    "MigrationOrder.num_tokens": MAX_TOKENS, "MigrationOrder.dst_pages": MAX_PAGES,
 }
 # "Class.field" of a list -> the bound of each of its items.
 _ITEM_MOST: dict[str, int] = {"PrefillOrder.token_ids": MAX_TOKEN_ID, "RankEndpoint.regions": MAX_MESSAGE_BYTES}
@@ -162,6 +169,20 @@ class PrefillOrder(Message):
     last_token: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class MigrationOrder(Message):
+    """Write the KV of the `num_tokens` tokens that decoder A holds for its request `rid`
+    (prompt and outputs but the last sampled token, which runs as B's first step) into
+    B's pages `dst_pages`, every layer, with immediate `tag`. A checks `num_tokens` and
+    the page count against what it holds: B never names A's pages."""
+
+    TYPE: ClassVar[str] = "migrate"
+    rid: str
+    tag: int
+    num_tokens: int
+    dst_pages: tuple[int, ...]
+
+
 class Blame(enum.Enum):
     """Whose failure an OrderFailed is: the decoder counts SERVER failures against the link."""
 
@@ -198,7 +219,7 @@ class Released(Message):
 
 
 MESSAGES: dict[str, type[Message]] = {cls.TYPE: cls for cls in (Hello, Welcome, Refuse, PrefillOrder, OrderFailed,
-                                                                 Cancel, Released)}
+                                                                 Cancel, Released, MigrationOrder)}
 
 
 _CODEC = Codec("wire", WIRE_VERSION, MESSAGES, WireError, MAX_MESSAGE_BYTES, _MOST, _ITEM_MOST)

@@ -71,6 +71,14 @@ def test_the_last_token_may_be_any_id_of_the_vocabulary():
         assert intake.check_order("d1", order(last_token=last)) == ""
 
 
+def test_a_migration_order_sent_to_a_prefill_server_is_refused_at_once():
+    intake, peer = intake_with()
+    intake.on_message(peer, wire.MigrationOrder(rid="r", tag=9, num_tokens=5, dst_pages=(1,)))
+    assert [(type(m), m.tag, m.blame, m.posted) for m in peer.sent] == [(wire.OrderFailed, 9, wire.Blame.ORDER, 0)]
+    assert "holds no running request to migrate" in peer.sent[0].reason
+    assert intake.drain(lambda key: []) == []
+
+
 def test_an_order_before_hello_is_refused():
     intake, _ = intake_with()
     assert "no Hello" in intake.check_order("stranger", order())

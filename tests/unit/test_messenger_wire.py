@@ -39,19 +39,19 @@ def test_every_message_round_trips_with_named_fields(msg):
     (b"{", "unreadable message: not valid JSON"),
     (b"[1, 2]", "JSON object"),
     (b'{"type": "cancel", "v": 99, "rid": "r", "tag": 1}', "wire version 99"),
-    (b'{"type": "teleport", "v": 7}', "unknown message type"),
-    (b'{"type": "cancel", "v": 7, "rid": "r"}', r"missing \['tag'\]"),
-    (b'{"type": "cancel", "v": 7, "rid": "r", "tag": 1, "extra": 0}', r"unexpected \['extra'\]"),
-    (b'{"type": "cancel", "v": 7, "rid": 5, "tag": 1}', "cancel.rid: expected a string"),
-    (b'{"type": "cancel", "v": 7, "rid": "r", "tag": -1}', "non-negative integer"),
-    (b'{"type": "cancel", "v": 7, "rid": "r", "tag": true}', "non-negative integer"),
-    (b'{"type": "prefill", "v": 7, "rid": "r", "tag": 1, "token_ids": [1, "x"], "dst_pages": [], "start_page": 0, "last_token": 5}',
+    (b'{"type": "teleport", "v": 8}', "unknown message type"),
+    (b'{"type": "cancel", "v": 8, "rid": "r"}', r"missing \['tag'\]"),
+    (b'{"type": "cancel", "v": 8, "rid": "r", "tag": 1, "extra": 0}', r"unexpected \['extra'\]"),
+    (b'{"type": "cancel", "v": 8, "rid": 5, "tag": 1}', "cancel.rid: expected a string"),
+    (b'{"type": "cancel", "v": 8, "rid": "r", "tag": -1}', "non-negative integer"),
+    (b'{"type": "cancel", "v": 8, "rid": "r", "tag": true}', "non-negative integer"),
+    (b'{"type": "prefill", "v": 8, "rid": "r", "tag": 1, "token_ids": [1, "x"], "dst_pages": [], "start_page": 0, "last_token": 5}',
      r"token_ids\[1\]"),
-    (b'{"type": "prefill", "v": 7, "rid": "r", "tag": 1, "token_ids": 3, "dst_pages": [], "start_page": 0, "last_token": 5}',
+    (b'{"type": "prefill", "v": 8, "rid": "r", "tag": 1, "token_ids": 3, "dst_pages": [], "start_page": 0, "last_token": 5}',
      "token_ids: expected a list"),
 ])
 def test_malformed_messages_are_refused_with_the_reason(raw, error):
-    assert wire.WIRE_VERSION == 7  # the cases above are written for it
+    assert wire.WIRE_VERSION == 8  # the cases above are written for it
     with pytest.raises(wire.WireError, match=error):
         wire.decode(raw)
 
@@ -147,7 +147,8 @@ def test_fault_specs():
 # ----- hostile input: every decode failure is a WireError, counts bounded --------------------
 MESSAGES = [HELLO, ORDER, wire.Welcome(prefill="prefill", kv=KV, ranks=(wire.RankEndpoint(0, "h:1", "i", ()),)),
             wire.Refuse(prefill="p", reason="r"), wire.OrderFailed(rid="r", tag=1, reason="x", blame=wire.Blame.ORDER, posted=0),
-            wire.Cancel(rid="r", tag=1), wire.Released(rid="r", tag=1, posted=None)]
+            wire.Cancel(rid="r", tag=1), wire.Released(rid="r", tag=1, posted=None),
+            wire.MigrationOrder(rid="r", tag=1, num_tokens=9, dst_pages=(3, 4, 5))]
 DEEP = 10_000
 
 

@@ -1,0 +1,123 @@
+"""What of a running request moves from decoder A to decoder B besides its KV, and what
+does not yet (the request then stays on A, which finishes it; the reason is logged and
+counted).
+
+The cut: the request leaves A's batch after A sampled its k-th output token and before
+that token ran. A's pages hold the KV of prompt + outputs[:k-1]; B receives prompt +
+outputs as its input ids, the KV of all but the last from A (a MigrationOrder: no token
+is recomputed), and runs the last (outputs[k-1]) as its first step: the prefill
+hand-off's convention, so B's decode path is the one prefill-fed requests take. With
+greedy sampling and a deterministic model B's continuation is exactly A's (the KV is A's,
+bit for bit).
+
+Because B sees A's outputs as input, what SGLang derives from a request's OUTPUT tokens
+would restart at zero on B. Carried by arithmetic: the output budget (max_new_tokens - k),
+the minimum (min_new_tokens - k), usage (A's relay adds k completion tokens and reports
+A's prompt length). Not carried yet, each refused with its reason (REFUSALS): penalties
+over output tokens, a grammar's state (it must be replayed over the outputs), stop
+strings (one may straddle the cut), logprobs (B would report them over the wrong span),
+sampling other than greedy (a seeded request continues its sequence only when its
+position is carried), speculative decoding (the draft's KV and hidden state), n > 1,
+LoRA, custom logit processors, hidden-state returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .source import MigrationRefused
+
+# (attribute path on the Req, predicate true when the request cannot migrate, reason)
+REFUSALS: tuple[tuple[str, Any, str], ...] = (
+    # SGLang normalizes temperature 0 to top_k 1: greedy is top_k == 1.
+    ("sampling_params.top_k", lambda v: v != 1, "sampling other than greedy (the seed's position is not carried yet)"),
+    ("sampling_params.frequency_penalty", lambda v: bool(v), "a frequency penalty counts output tokens"),
+    ("sampling_params.presence_penalty", lambda v: bool(v), "a presence penalty counts output tokens"),
+    ("sampling_params.repetition_penalty", lambda v: v not in (None, 1.0), "a repetition penalty counts output tokens"),
+    ("sampling_params.stop_strs", lambda v: bool(v), "a stop string may straddle the cut"),
+    ("sampling_params.stop_regex_strs", lambda v: bool(v), "a stop regex may straddle the cut"),
+    ("sampling_params.json_schema", lambda v: v is not None, "a grammar's state is not replayed on B yet"),
+    ("sampling_params.regex", lambda v: v is not None, "a grammar's state is not replayed on B yet"),
+    ("sampling_params.ebnf", lambda v: v is not None, "a grammar's state is not replayed on B yet"),
+    ("sampling_params.structural_tag", lambda v: v is not None, "a grammar's state is not replayed on B yet"),
+    ("sampling_params.n", lambda v: v not in (None, 1), "n > 1"),
+    ("sampling_params.logit_bias", lambda v: bool(v), "a logit bias is not carried yet"),
+    ("sampling_params.custom_params", lambda v: bool(v), "custom sampling parameters are not carried"),
+    ("return_logprob", bool, "logprobs would be reported over B's span"),
+    ("lora_id", lambda v: v is not None, "LoRA adapters are not carried"),
+    ("custom_logit_processor", lambda v: v is not None, "custom logit processors are not carried"),
+    ("return_hidden_states", bool, "hidden-state returns are not carried"),
+    ("grammar", lambda v: v is not None, "a grammar's state is not replayed on B yet"),
+)
+
+
+def _get(obj: Any, path: str) -> Any:
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def refusals(req: Any, speculative: bool = False) -> list[str]:
+    """Why `req` (an SGLang Req) cannot migrate now; empty when it can."""
+    out = [reason for path, bad, reason in REFUSALS if bad(_get(req, path))]
+    if speculative:
+        out.append("speculative decoding (the draft's KV and hidden state are not carried yet)")
+    if not req.output_ids:
+        out.append("no output token yet (a waiting request is handed over as a new one, not migrated)")
+    if req.finished():
+        out.append("already finished")
+    return list(dict.fromkeys(out))
+
+
+@dataclass(frozen=True, slots=True)
+class Carried:
+    """The state of a request at the cut, as B needs it."""
+
+    rid: str
+    prompt: tuple[int, ...]
+    outputs: tuple[int, ...]     # k >= 1 output tokens; the last one has not run yet
+    max_new_tokens: int          # the original budget
+    min_new_tokens: int
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+    skip_special_tokens: bool
+    spaces_between_special_tokens: bool
+    no_stop_trim: bool
+
+    def __post_init__(self) -> None:
+        if not self.outputs:
+            raise ValueError("a migrated request has at least one output token")
+        if self.max_new_tokens <= len(self.outputs):
+            raise ValueError(f"a request with {len(self.outputs)} of {self.max_new_tokens} output tokens is done")
+
+    @classmethod
+    def of(cls, req: Any, speculative: bool = False) -> Carried:
+        """The state of SGLang Req `req` at the cut; MigrationRefused naming every reason it cannot move."""
+        why = refusals(req, speculative)
+        if why:
+            raise MigrationRefused(f"request {req.rid} cannot migrate: " + "; ".join(why))
+        sp = req.sampling_params
+        return cls(rid=req.rid, prompt=tuple(req.origin_input_ids), outputs=tuple(req.output_ids),
+                   max_new_tokens=sp.max_new_tokens, min_new_tokens=sp.min_new_tokens or 0,
+                   stop_token_ids=tuple(sorted(sp.stop_token_ids or ())), ignore_eos=bool(sp.ignore_eos),
+                   skip_special_tokens=bool(sp.skip_special_tokens),
+                   spaces_between_special_tokens=bool(sp.spaces_between_special_tokens),
+                   no_stop_trim=bool(sp.no_stop_trim))
+
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens whose KV A holds and writes: all but the last output, which B runs first."""
+        return len(self.prompt) + len(self.outputs) - 1
+
+    def resume(self) -> dict:
+        """B's request: the input ids and sampling parameters that continue where A stopped
+        (SGLang's native /generate fields; the relay adds stream and the migration source)."""
+        k = len(self.outputs)
+        params = {"max_new_tokens": self.max_new_tokens - k, "min_new_tokens": max(0, self.min_new_tokens - k),
+                  "temperature": 0.0, "ignore_eos": self.ignore_eos, "skip_special_tokens": self.skip_special_tokens,
+                  "spaces_between_special_tokens": self.spaces_between_special_tokens,
+                  "no_stop_trim": self.no_stop_trim}
+        if self.stop_token_ids:
+            params["stop_token_ids"] = list(self.stop_token_ids)
+        return {"input_ids": [*self.prompt, *self.outputs], "sampling_params": params}

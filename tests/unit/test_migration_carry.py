@@ -1,0 +1,69 @@
+"""What of a running request moves with it (migration/carry.py), read from SGLang's own Req
+and SamplingParams: a greedy request cut after k outputs resumes on B with prompt + outputs as
+input (the last output runs first there), the budget and minimum reduced by k; every state
+that cannot move yet is refused with its reason, so the request stays on its decoder."""
+
+from __future__ import annotations
+
+from array import array
+
+import pytest
+from sglang.srt.managers.schedule_batch import Req
+from sglang.srt.sampling.sampling_params import SamplingParams
+
+from sglang_disagg.migration.carry import Carried, refusals
+from sglang_disagg.migration.source import MigrationRefused
+
+PROMPT = [11, 12, 13, 14, 15, 16, 17]
+
+
+def _req(outputs=(101, 102, 103, 104, 105), **params) -> Req:
+    params = {"max_new_tokens": 80, "temperature": 0.0, **params}
+    extra = {k: params.pop(k) for k in ("return_logprob", "lora_id", "custom_logit_processor") if k in params}
+    r = Req("rid-1", "", array("q", PROMPT), SamplingParams(**params), **extra)
+    r.output_ids = array("q", outputs)
+    return r
+
+
+def test_a_greedy_request_resumes_with_its_outputs_as_input_and_its_budgets_reduced():
+    c = Carried.of(_req(min_new_tokens=8, stop_token_ids={2, 7}, ignore_eos=False))
+    assert c.kv_tokens == len(PROMPT) + 4, "A writes the KV of all but the last output, which runs first on B"
+    body = c.resume()
+    assert body["input_ids"] == PROMPT + [101, 102, 103, 104, 105]
+    sp = body["sampling_params"]
+    assert (sp["max_new_tokens"], sp["min_new_tokens"], sp["temperature"]) == (75, 3, 0.0)
+    assert sp["stop_token_ids"] == [2, 7]
+    # B's parameters are valid SGLang sampling parameters as given.
+    SamplingParams(**sp).verify(vocab_size=32000)
+
+
+def test_the_minimum_does_not_go_below_zero_and_a_spent_budget_is_not_a_migration():
+    assert Carried.of(_req(min_new_tokens=2)).resume()["sampling_params"]["min_new_tokens"] == 0
+    with pytest.raises(ValueError, match="is done"):
+        Carried.of(_req(outputs=tuple(range(80))))
+
+
+@pytest.mark.parametrize("params,reason", [
+    ({"temperature": 0.7, "sampling_seed": 5}, "other than greedy"),
+    ({"frequency_penalty": 0.5}, "frequency penalty"),
+    ({"presence_penalty": 0.5}, "presence penalty"),
+    ({"repetition_penalty": 1.2}, "repetition penalty"),
+    ({"stop": ["end"]}, "stop string"),
+    ({"json_schema": '{"type": "object"}'}, "grammar"),
+    ({"regex": "[a-z]+"}, "grammar"),
+    ({"n": 2}, "n > 1"),
+    ({"logit_bias": {"5": 1.0}}, "logit bias"),
+    ({"return_logprob": True}, "logprobs"),
+    ({"lora_id": "adapter"}, "LoRA"),
+])
+def test_what_cannot_move_yet_is_refused_with_its_reason(params, reason):
+    req = _req(**params)
+    assert any(reason in r for r in refusals(req)), refusals(req)
+    with pytest.raises(MigrationRefused, match="cannot migrate"):
+        Carried.of(req)
+
+
+def test_waiting_finished_and_speculative_requests_are_not_migrated():
+    assert any("no output token yet" in r for r in refusals(_req(outputs=())))
+    assert any("speculative" in r for r in refusals(_req(), speculative=True))
+    assert refusals(_req()) == []
