@@ -31,6 +31,7 @@ to a live server is not enough: that server might still write into the pages).
 from __future__ import annotations
 
 import collections
+from http import HTTPStatus
 import itertools
 import logging
 import time
@@ -42,7 +43,10 @@ from .decode_endings import RequestEndings
 from .entry import Entry, Lost, Phase, Release, lost_verdict
 from .faults import Fault
 from .inputs import Route
-from .links import Links
+from .links import Links, LinkState
+from ..backends import auth
+from .migration.away import Outgoing
+from .migration.room import Source, SourceError
 from .metrics import Cause, scheduler_state
 from ..backends import PeerLostError
 from .node import Node
@@ -70,6 +74,8 @@ class DecodeMessenger(RequestEndings):
         self.recent: collections.deque[dict] = collections.deque(maxlen=64)  # handed-off requests' timelines
         self._first_step: dict[str, float] = {}  # rid -> hand-off time, until its first output token
         self.node.metrics.watch(self._gauges)
+        self.secret = auth.load_secret() or b""
+        self.out = Outgoing(self) if self.ranks.is_leader else None  # requests migrating away (migration/away.py)
         if self.ranks.is_leader:
             hello = wire.Hello(decoder=self.node.name, backend=self.backend.name, provider=self.backend.provider,
                                kv=self.node.spec, ranks=self.node.endpoints, group=self.node.group)
@@ -80,7 +86,14 @@ class DecodeMessenger(RequestEndings):
     # ----- intake -------------------------------------------------------------------
     def take(self, req: Any) -> bool:
         n = len(req.origin_input_ids) - 1
-        local_reason = admission.runs_locally(req, n)
+        try:
+            source = Source.of(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room, self.secret)
+        except SourceError as e:
+            e_ = Entry(next(self._seq), req, n, Phase.MEMORY, time.monotonic())
+            self.entries[e_.seq] = e_
+            self._finish_failed(e_, str(e), Cause.INTAKE, HTTPStatus.BAD_REQUEST)  # nothing to retry elsewhere
+            return True
+        local_reason = "" if source is not None else admission.runs_locally(req, n)
         if local_reason:
             self.stats["requests_local"] += 1
             self.node.metrics.requests.labels("local").inc()
@@ -88,13 +101,15 @@ class DecodeMessenger(RequestEndings):
             return False
         e = Entry(next(self._seq), req, n, Phase.MEMORY, time.monotonic())
         e.times["take"] = e.since
+        if source is not None:  # a running request migrating here: its KV comes from that decoder only
+            e.source, e.rerouted = source, True
         self.entries[e.seq] = e
         return True
 
     def _allocate(self, e: Entry) -> bool:
         held = [x.req for x in self.entries.values() if x.pages and x.phase in (Phase.ROUTE, Phase.TRANSFER)]
         ps = self.node.page_size
-        got = admission.allocate(self.sched, e.req, e.n_tokens, ps, self.cfg.reuse_prefix,
+        got = admission.allocate(self.sched, e.req, e.n_tokens, ps, self.cfg.reuse_prefix and e.source is None,
                                  admission.promised_room(self.sched, held, ps))
         if got is None:
             return False
@@ -113,7 +128,18 @@ class DecodeMessenger(RequestEndings):
         for e in self.entries.values():
             if e.phase is not Phase.ROUTE or e.routed:
                 continue
-            link = self.links.choose()
+            if e.source is not None:
+                link = self.links.source(e.source.address)
+                if link is None or not link.alive():
+                    if link is not None and link.state in (LinkState.CONNECTING, LinkState.DOWN) and \
+                            time.monotonic() - e.since < self.cfg.connect_timeout_s:
+                        continue
+                    why = link.describe() if link is not None else "too many migration sources linked"
+                    out.append(Route(e.seq, 0, "", 0, (), error=f"the decoder this request migrates from: {why}"))
+                    e.routed = True
+                    continue
+            else:
+                link = self.links.choose()
             if link is None:
                 if self.links.connecting() and time.monotonic() - e.since < self.cfg.connect_timeout_s:
                     continue
@@ -157,8 +183,11 @@ class DecodeMessenger(RequestEndings):
         first = self.backend.expect(e.tag, 1, self.cfg.transfer_timeout_s, peers)
         first.add_done_callback(lambda f, e=e, tag=e.tag: self._on_first(e, tag, f, peers))
         prompt = e.req.origin_input_ids
-        order = wire.PrefillOrder(rid=e.req.rid, tag=e.tag, token_ids=tuple(prompt[:e.n_tokens]),
-                                  dst_pages=e.pages, start_page=e.start_page, last_token=int(prompt[e.n_tokens]))
+        if e.source is not None:  # nothing to compute: the source decoder writes what it holds
+            order = wire.MigrationOrder(rid=str(e.source.handle), tag=e.tag, num_tokens=e.n_tokens, dst_pages=e.pages)
+        else:
+            order = wire.PrefillOrder(rid=e.req.rid, tag=e.tag, token_ids=tuple(prompt[:e.n_tokens]),
+                                      dst_pages=e.pages, start_page=e.start_page, last_token=int(prompt[e.n_tokens]))
         try:
             e.route_peer = self.links.links[e.link].peer
             self.links.links[e.link].send(order)
@@ -195,7 +224,7 @@ class DecodeMessenger(RequestEndings):
         self.node.wakeup.set()
 
     def _on_message(self, peer: Any, msg: wire.Message) -> None:  # control thread (leader)
-        if self.links.on_message(peer, msg):
+        if self.links.on_message(peer, msg) or self.out.on_message(peer, msg):
             return
         if isinstance(msg, (wire.OrderFailed, wire.Released)):
             self._inbox.append((peer, msg))  # applied by the scheduler thread in step()
@@ -221,6 +250,8 @@ class DecodeMessenger(RequestEndings):
             self._step()
 
     def _step(self) -> None:
+        if self.out is not None and (self.out.hook is not None or not self.out.idle()):
+            self.out.step()
         if not self.entries and not self._inbox:
             # Nothing of ours in flight and nothing arrived: the requests decoding hold their
             # KV and are SGLang's alone, so a decode step pays only this test. (Entries are
@@ -289,10 +320,12 @@ class DecodeMessenger(RequestEndings):
         return self.node.describe(self.sched) | self.stats | {
             "in_flight": phases, "links": links, "scheduler": scheduler_state(self.sched, self.node.page_size),
             "late_writes_dropped": self.backend.stats()["late_writes_dropped"] if self.backend else 0,
-            "recent": list(self.recent)}
+            "recent": list(self.recent)} | ({**self.out.stats, "migrations": list(self.out.recent)} if self.out else {})
 
     # ----- aborts, scheduling, idleness -----------------------------------------------
     def abort(self, recv_req: Any) -> None:
+        if self.out is not None:
+            self.out.abort(recv_req)
         for e in list(self.entries.values()):
             if not abort_matches(recv_req, e.req.rid):
                 continue
@@ -353,7 +386,7 @@ class DecodeMessenger(RequestEndings):
         # idle SGLang scheduler checks its pool for leaks (and raised on the quarantined pages,
         # killing the decoder, when a prefill host stayed cut off), and /flush_cache would
         # hand pages back to the allocator that a stale write may still land in.
-        return not self.entries
+        return not self.entries and (self.out is None or self.out.idle())
 
     def has_leader_work(self) -> bool:
         return any(e.phase is Phase.ROUTE and not e.routed for e in self.entries.values()) and \

@@ -8,6 +8,8 @@ of it runs in the scheduler thread, on every TP rank alike except where it says 
 
 from __future__ import annotations
 
+from http import HTTPStatus
+
 import logging
 import os
 import time
@@ -119,11 +121,11 @@ class RequestEndings:
             self.backend.retire(e.tag, reason)
         e.phase, e.failed, e.since = Phase.RELEASE, reason, time.monotonic()
 
-    def _finish_failed(self, e: Entry, reason: str, cause: Cause) -> None:
+    def _finish_failed(self, e: Entry, reason: str, cause: Cause, status: HTTPStatus | None = None) -> None:
         """Fail a request no write was ever asked for: free its pages now."""
         self.stats["requests_failed"] += 1
         self.node.metrics.fail(cause)
-        fail_request(self.sched, e.req, reason)
+        fail_request(self.sched, e.req, reason, *(() if status is None else (status,)))
         del self.entries[e.seq]
         release(self.sched, e.req)
 

@@ -101,6 +101,7 @@ class Entry:
     answered: float = 0.0         # leader: when its prefill server said Released/OrderFailed (0: not yet)
     posted: int | None = None     # leader: writes that server posted with the tag (None: it did not know)
     settle_looked: float = 0.0    # leader: when its late writes were last counted (settle_due)
+    source: Any = None            # migration/room.Source: a request migrating here, its KV from that decoder
     times: dict = field(default_factory=dict)  # monotonic timestamps of the lifecycle
 
 

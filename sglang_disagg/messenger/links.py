@@ -36,6 +36,7 @@ REFUSED_RETRY_S = 5.0
 REFUSED_MARK = "refused by"  # in every refusal the client sees; the launcher stops on it
 FAIL_STRIKES = 3             # valid requests in a row a link's server failed: the link is FAILING
 RECHECK_MAX_S = 30.0         # longest wait before a FAILING link is connected again (the first: recheck_s)
+MAX_SOURCES = 64             # links to other decoders that requests migrated here from
 
 
 class LinkState(enum.Enum):
@@ -48,8 +49,9 @@ class LinkState(enum.Enum):
 
 
 class Link:
-    def __init__(self, address: str, backoff: float) -> None:
+    def __init__(self, address: str, backoff: float, source: bool = False) -> None:
         self.address = address
+        self.source = source  # another decoder, the KV source of requests migrating here: never chosen
         self.state = LinkState.CONNECTING
         self.reason = "not contacted yet"
         self.peer: Any = None
@@ -92,8 +94,26 @@ class Links:
         for t in self._threads:
             t.start()
 
+    def source(self, address: str) -> Link | None:
+        """The link to decoder `address`, the KV source of a request migrating here, made on
+        first use (None: MAX_SOURCES links exist already). Its address was authenticated
+        (migration/room.py) before this is called."""
+        link = self.links.get(address)
+        if link is not None:
+            return link
+        if sum(1 for x in self.links.values() if x.source) >= MAX_SOURCES:
+            return None
+        link = self.links[address] = Link(address, self._recheck_s, source=True)
+        t = NamedThread(target=self._run, args=(link,), name=f"messenger-link-{address}", daemon=True)
+        self._threads.append(t)
+        t.start()
+        return link
+
+    def _prefill(self) -> list[Link]:
+        return [link for link in self.links.values() if not link.source]
+
     def choose(self) -> Link | None:
-        ready = [link for link in self.links.values() if link.alive()]
+        ready = [link for link in self._prefill() if link.alive()]
         return min(ready, key=lambda link: link.outstanding) if ready else None
 
     def connecting(self) -> bool:
@@ -102,10 +122,10 @@ class Links:
         (within POLL_S), and a request arriving then must not fail while the link comes back
         (seen in tests/e2e/test_relay.py: "no usable prefill server: ...: ready")."""
         return any(link.state in (LinkState.CONNECTING, LinkState.DOWN)
-                   or (link.state is LinkState.READY and not link.alive()) for link in self.links.values())
+                   or (link.state is LinkState.READY and not link.alive()) for link in self._prefill())
 
     def why(self) -> str:
-        return "no usable prefill server: " + "; ".join(link.describe() for link in self.links.values())
+        return "no usable prefill server: " + "; ".join(link.describe() for link in self._prefill())
 
     def on_message(self, peer: Any, msg: wire.Message) -> bool:
         """Welcome/Refuse for a link waiting on first contact; False for other messages."""

@@ -165,6 +165,9 @@ class Node:
                 # One backend instance in the whole server drives every rank's KV.
                 "backends": self.backends_in_server, "ranks_driven": len(self.regions),
                 "page_size": self.page_size, "layout": self.view.geometry.layout.value,
+                # One page of every layer, each KV head once (a migration's or transfer's floor).
+                "kv_page_bytes": self.view.geometry.num_layers * sum(
+                    self.view.geometry.page_bytes(k, self.view.geometry.kv_heads) for k in self.view.geometry.kinds),
                 "dp_group": self.group, "dp_groups": self.groups,
                 # Structured output lives on decoders only: a prefill server compiles none.
                 "grammars_compiled": len(getattr(grammar, "cache", ()) or ())}

@@ -17,7 +17,7 @@ Flow (decoder D, prefill server P)::
     D -> P  Cancel       D gave up on the order (client abort, deadline)
     P -> D  Released     P will post no more writes for `tag` and none is in flight
 
-Live migration (sglang_disagg/migration/): a decoder B takes a running request over from a
+Live migration (messenger/migration/): a decoder B takes a running request over from a
 decoder A, which then plays P's part with the pages it already holds (Hello/Welcome alike):
 
     B -> A  MigrationOrder  write the `num_tokens` tokens of A's held request `rid` into

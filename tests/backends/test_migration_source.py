@@ -17,7 +17,7 @@ from sglang_disagg.backends import BackendConfig, available, create_backend
 from sglang_disagg.ipc.shm import shared_zeros
 from sglang_disagg.messenger import wire
 from sglang_disagg.messenger.planner import KVGeometry, Kind, rank_heads
-from sglang_disagg.migration.source import HeldState, MigrationRefused, MigrationSource
+from sglang_disagg.messenger.migration.source import HeldState, MigrationRefused, MigrationSource
 
 SECRET = secrets.token_bytes(32)
 BACKENDS = [("shmem", None), ("libfabric", "tcp"), ("nixl", None), ("mooncake", None)]

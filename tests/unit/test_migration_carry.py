@@ -11,8 +11,8 @@ import pytest
 from sglang.srt.managers.schedule_batch import Req
 from sglang.srt.sampling.sampling_params import SamplingParams
 
-from sglang_disagg.migration.carry import Carried, refusals
-from sglang_disagg.migration.source import MigrationRefused
+from sglang_disagg.messenger.migration.carry import Carried, refusals
+from sglang_disagg.messenger.migration.source import MigrationRefused
 
 PROMPT = [11, 12, 13, 14, 15, 16, 17]
 

@@ -28,9 +28,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..messenger import wire
-from ..messenger.kvpool import post
-from ..messenger.planner import KVGeometry, ShardPlan, WriteGroup, pages_for
+from .. import wire
+from ..kvpool import post
+from ..planner import KVGeometry, ShardPlan, WriteGroup, pages_for
 
 MAX_HELD = 1024   # requests one decoder holds for others at once (a drain moves at most its batch)
 HOLD_S = 10.0     # how long a held request waits for its order before it goes back to A's batch
@@ -139,6 +139,15 @@ class MigrationSource:
                     h.state = HeldState.WRITTEN
         for fut in futures:
             fut.add_done_callback(lambda f: (h.done_one(f.exception()), wakeup()))
+
+    def drop(self, rid: str) -> bool:
+        """Forget a held request no order came for (B gave up first); False if writes were posted
+        (then it settles first: its pages may not be reused while a write is in flight)."""
+        h = self.held.get(rid)
+        if h is None or h.state is not HeldState.HELD:
+            return False
+        del self.held[rid]
+        return True
 
     def expired(self, now: float | None = None) -> list[Held]:
         """Held requests no order came for within hold_s: forgotten here, to go back to A's batch."""

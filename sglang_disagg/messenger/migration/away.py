@@ -1,0 +1,312 @@
+"""Decoder A: running requests leaving for another decoder, from the cut to the end of the relay.
+
+Scheduler-side contract (DecodeMessenger calls these in A's scheduler thread, leader; a
+decoder with TP > 1 migrates nothing yet: every rank would have to cut alike):
+  on_message(peer, msg)  control thread: a B's Hello or MigrationOrder, queued (True when ours)
+  step()                 once per iteration: answer B's messages, cut due requests out of the
+                         running batch, start their relays, free what was handed over, emit
+                         relayed tokens as the requests' own
+  abort(recv_req)        a client abort of a relayed request: its relay closes, B aborts
+  idle()                 nothing held, cut or relayed
+Worker side: write completions (backend threads) and relay threads only count/append under
+their own locks and wake the scheduler.
+
+The cut under the overlap scheduler: when a request is due its result of the batch in
+flight may not be processed yet. It leaves the running batch at once (so no later batch
+runs it) and is held one iteration later, once whatever was in flight for it was
+processed: then its KV holds every token but the last sampled one, with or without overlap.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...backends import auth
+from .. import compat, wire
+from ..kvpool import page_ids
+from ..orders import DecoderLink
+from ..planner import ShardPlan
+from ..requests import release
+from .carry import Carried, refusals
+from .metrics import MigrationMetrics
+from .relay import Relay
+from .room import Source
+from .source import Held, HeldState, MigrationRefused, MigrationSource
+
+logger = logging.getLogger("sglang_disagg.migration")
+TEST_ENV = "SGLANG_DISAGG_TEST_MIGRATE"  # "to=URL": requests named migrate-after-K-* migrate there after K outputs
+MAX_PEERS = 64      # decoders that said Hello to this one as migration targets (bounded table)
+CUT_ATTR = "sglang_disagg_migrated"
+
+
+@dataclass(frozen=True, slots=True)
+class TestHook:
+    """Test hook (by token count, not timing): a request whose rid starts with
+    ``migrate-after-K-`` migrates to decoder `to` once it has K output tokens."""
+
+    to: str
+    PREFIX = "migrate-after-"
+
+    @classmethod
+    def from_env(cls) -> TestHook | None:
+        raw = os.environ.get(TEST_ENV, "")
+        if not raw:
+            return None
+        kv = dict(part.split("=", 1) for part in raw.split(",") if "=" in part)
+        if not kv.get("to", "").startswith("http"):
+            raise ValueError(f"{TEST_ENV}={raw!r}: expected to=URL")
+        return cls(kv["to"].rstrip("/"))
+
+    def after(self, rid: str) -> tuple[int, str] | None:
+        """(K, target URL) for a request named migrate-after-K-*; migrate-after-K-port-P-*
+        targets 127.0.0.1:P instead (a fault test's decoder that dies or never answers)."""
+        if not rid.startswith(self.PREFIX):
+            return None
+        parts = rid[len(self.PREFIX):].split("-")
+        if not parts[0].isdigit() or int(parts[0]) < 1:
+            return None
+        if len(parts) > 2 and parts[1] == "port" and parts[2].isdigit():
+            return int(parts[0]), f"http://127.0.0.1:{int(parts[2])}"
+        return int(parts[0]), self.to
+
+
+@dataclass(slots=True, eq=False)
+class Away:
+    """A request that left A's batch: held, then relayed."""
+
+    req: Any
+    to: str
+    source: Source
+    carried: Carried | None = None
+    relay: Relay | None = None
+    held: Held | None = None
+    handed: float = 0.0      # when A's pages were freed (every write completed)
+    cut_at: float = field(default_factory=time.monotonic)
+    aborted: bool = False
+
+
+class Outgoing:
+    def __init__(self, messenger: Any) -> None:
+        self.m, self.sched, self.node = messenger, messenger.sched, messenger.node
+        self.source = MigrationSource(self.node.view.geometry, messenger.ranks.size)
+        self.hook = TestHook.from_env()
+        self.secret = auth.load_secret() or b""
+        self.api_key = getattr(self.sched.server_args, "api_key", None)
+        self.peers: dict[str, DecoderLink] = {}
+        self.inbox: collections.deque[tuple[Any, wire.Message]] = collections.deque()
+        self.cutting: list[Away] = []
+        self.away: dict[str, Away] = {}           # handle -> request held or relayed
+        self.recent: collections.deque[dict] = collections.deque(maxlen=64)  # migration traces
+        self.stats = {"migrations_started": 0, "migrations_handed_over": 0, "migrations_failed": 0,
+                      "migrations_refused": 0, "migration_bytes": 0, "relays_active": 0}
+        self.metrics = MigrationMetrics(self.node.metrics.registry, self.stats)
+
+    # ----- control thread -------------------------------------------------------------
+    def on_message(self, peer: Any, msg: wire.Message) -> bool:
+        if not isinstance(msg, (wire.Hello, wire.MigrationOrder)):
+            return False
+        self.inbox.append((peer, msg))
+        self.node.wakeup.set()
+        return True
+
+    # ----- scheduler thread -----------------------------------------------------------
+    def idle(self) -> bool:
+        return not (self.away or self.cutting or self.inbox)
+
+    def step(self) -> None:
+        while self.inbox:
+            peer, msg = self.inbox.popleft()
+            self._hello(peer, msg) if isinstance(msg, wire.Hello) else self._order(peer, msg)
+        self._hold_cut()
+        if self.hook is not None:
+            self._cut_due()
+        for h in self.source.expired():
+            if (a := self.away.get(h.rid)) is not None:
+                self._back(a, "no order came from the new decoder in time")
+        for h in self.source.settled():
+            a = self.away.get(h.rid)
+            if a is None:
+                continue
+            if h.state is HeldState.WRITTEN and not (a.relay is not None and a.relay.failed):
+                self._handed(a)
+            else:
+                self._back(self.away.pop(h.rid), h.error or "the migration failed")
+        self._relay()
+
+    def abort(self, recv_req: Any) -> None:
+        from ..requests import abort_matches
+
+        for a in list(self.away.values()):
+            if abort_matches(recv_req, a.req.rid) and not a.aborted:
+                a.aborted = True
+                if a.relay is not None:
+                    a.relay.close()
+
+    # ----- B's messages ---------------------------------------------------------------
+    def _hello(self, peer: Any, hello: wire.Hello) -> None:
+        reasons = compat.differences(hello.kv, self.node.spec)
+        link = None
+        if not reasons:
+            try:
+                if self.m.ranks.size != 1:
+                    raise ValueError("this decoder has TP > 1: it migrates nothing yet")
+                if len(self.peers) >= MAX_PEERS and peer.id not in self.peers:
+                    raise ValueError(f"{MAX_PEERS} decoders are linked for migration already")
+                link = DecoderLink(hello, ShardPlan.build(self.node.view.geometry, self.m.ranks.size, hello.kv.tp))
+                compat.decoder_pages(self.node.view.geometry, hello)
+                data = self.m.backend.connect(hello.ranks[0].address, self.m.cfg.connect_timeout_s)
+                for d, endpoint in enumerate(hello.ranks):
+                    link.peers[d] = data
+                    link.remote[d] = [data.add_remote_region(desc) for desc in endpoint.regions]
+            except Exception as e:  # noqa: BLE001 - refused with the reason
+                reasons = [str(e)]
+        if reasons:
+            logger.error("migration: refused decoder %s: %s", hello.decoder, "; ".join(reasons))
+            peer.send(wire.encode(wire.Refuse(prefill=self.node.name, reason="; ".join(reasons))))
+            return
+        self.peers[peer.id] = link
+        peer.send(wire.encode(wire.Welcome(prefill=self.node.name, kv=self.node.spec, ranks=tuple(
+            wire.RankEndpoint(r.rank, r.address, r.instance, ()) for r in self.node.endpoints))))
+
+    def _order(self, peer: Any, order: wire.MigrationOrder) -> None:
+        link = self.peers.get(peer.id)
+        try:
+            if link is None:
+                raise MigrationRefused("no Hello on this connection")
+            h, groups, _ = self.source.plan(order, link.hello.kv.tp)
+        except MigrationRefused as e:
+            peer.send(wire.encode(wire.OrderFailed(rid=order.rid, tag=order.tag, reason=str(e),
+                                                   blame=wire.Blame.ORDER, posted=0)))
+            return
+        a = self.away.get(h.rid)
+        if a is not None:
+            a.held = h
+            a.req.sglang_disagg_migration_order = time.monotonic()
+        self.source.post(h, order.tag, groups, self.m.backend, link.peers, self.node.regions, link.remote,
+                         self.node.wakeup.set)
+
+    # ----- the cut ----------------------------------------------------------------------
+    def _cut_due(self) -> None:
+        batch = self.sched.running_batch
+        inflight = 1 if getattr(self.sched, "enable_overlap", False) else 0
+        due = [(r, hit[1]) for r in batch.reqs if not getattr(r, CUT_ATTR, False) and not r.finished()
+               and (hit := self.hook.after(r.rid)) is not None and len(r.output_ids) >= hit[0] - inflight]
+        for req, to in due:
+            setattr(req, CUT_ATTR, True)
+            why = refusals(req)
+            if why or self.m.ranks.size != 1:
+                self.stats["migrations_refused"] += 1
+                self.metrics.outcome("refused")
+                logger.warning("migration: %s stays here: %s", req.rid, "; ".join(why) or "TP > 1")
+                continue
+            self.cutting.append(Away(req, to, Source.new(self.node.endpoints[0].address)))
+        if self.cutting:
+            leaving = {id(a.req) for a in self.cutting}
+            keep = [i for i, r in enumerate(batch.reqs) if id(r) not in leaving]
+            if len(keep) != len(batch.reqs):
+                batch.filter_batch(keep_indices=keep)
+                batch.batch_is_full = False
+
+    def _hold_cut(self) -> None:
+        """Requests cut one iteration ago: what was in flight for them is processed now."""
+        cutting, self.cutting = self.cutting, []
+        for a in cutting:
+            req = a.req
+            if req.finished():  # it ended in the batch that was in flight: SGLang finished it
+                continue
+            try:
+                a.carried = Carried.of(req)
+                n = a.carried.kv_tokens
+                row = self.sched.req_to_token_pool.req_to_token[req.kv.req_pool_idx][:n]
+                self.source.hold(str(a.source.handle), page_ids(row.tolist(), self.node.page_size), n)
+            except Exception as e:  # noqa: BLE001 - whatever it was, the request continues here
+                self._back(a, f"{type(e).__name__}: {e}")
+                continue
+            body = {**a.carried.resume(), **a.source.fields(self.secret), "rid": f"{req.rid}.m{a.source.handle}"}
+            a.relay = Relay(a.to, body, self.api_key, self.node.wakeup.set)
+            self.away[str(a.source.handle)] = a
+            self.stats["migrations_started"] += 1
+            self.metrics.outcome("started")
+            self.stats["relays_active"] += 1
+            a.relay.start()
+            logger.info("migration: %s cut after %d output tokens, to %s", req.rid, len(req.output_ids), a.to)
+
+    def _handed(self, a: Away) -> None:
+        """Every write completed: A's pages go; the request lives on B, relayed here."""
+        release(self.sched, a.req)
+        a.handed = time.monotonic()
+        self.stats["migrations_handed_over"] += 1
+        self.stats["migration_bytes"] += a.held.nbytes if a.held else 0
+        self.metrics.handed_over(a.held.nbytes if a.held else 0, a.handed - a.cut_at)
+        self.recent.append({"rid": a.req.rid, "to": a.to, "outputs_at_cut": len(a.carried.outputs),
+                            "kv_tokens": a.carried.kv_tokens, "bytes": a.held.nbytes if a.held else 0,
+                            "writes": a.held.writes if a.held else 0,
+                            "hand_over_s": round(a.handed - a.cut_at, 4)})
+        logger.info("migration: %s handed over to %s (%d bytes, %.3f s after the cut)", a.req.rid, a.to,
+                    a.held.nbytes if a.held else 0, a.handed - a.cut_at)
+
+    def _back(self, a: Away, reason: str) -> None:
+        """The migration failed before the hand-over: the request continues here. Its KV is
+        given back through SGLang's retraction path (radix tree kept), and it re-enters the
+        waiting queue: its prompt + outputs match the tree, so little is recomputed."""
+        self.stats["migrations_failed"] += 1
+        self.metrics.outcome("failed")
+        if a.relay is not None:
+            a.relay.close()
+            self.stats["relays_active"] -= 1
+        logger.warning("migration: %s stays on this decoder: %s", a.req.rid, reason)
+        self.away.pop(str(a.source.handle), None)
+        self.source.drop(str(a.source.handle))  # held with no write posted (posted ones settled first)
+        if a.aborted:
+            self._finish(a, {"type": "abort", "message": "aborted"})
+            release(self.sched, a.req)
+            return
+        release(self.sched, a.req, checkpoint=True)  # the tree keeps its KV: re-running it here is cheap
+        a.req.reset_for_retract()
+        self.sched.waiting_queue.append(a.req)
+
+    # ----- the relay ----------------------------------------------------------------------
+    def _relay(self) -> None:
+        out = []
+        for key, a in list(self.away.items()):
+            if a.relay is None:
+                continue
+            new, finish, error = a.relay.take()
+            if new:
+                a.req.output_ids.extend(new)
+            if error and not a.handed:
+                # B failed before the hand-over: with no write posted the request comes back now,
+                # else once A's writes settled (its pages may not be reused before).
+                if self.source.drop(key):
+                    self._back(a, error)
+                continue
+            if error or a.aborted:
+                finish = {"type": "abort", "message": "aborted" if a.aborted else error}
+            if new or finish:
+                out.append(a.req)
+            if finish:
+                self._finish(a, finish)
+                del self.away[key]
+                self.stats["relays_active"] -= 1
+        if out:
+            self.sched.output_streamer.stream_output(out, False)
+
+    @staticmethod
+    def _finish(a: Away, finish: dict) -> None:
+        from sglang.srt.managers.schedule_batch import (FINISH_ABORT, FINISH_LENGTH, FINISH_MATCHED_STR,
+                                                        FINISH_MATCHED_TOKEN)
+
+        kind, matched = finish.get("type"), finish.get("matched")
+        if kind == "length":
+            a.req.finished_reason = FINISH_LENGTH(length=a.carried.max_new_tokens)
+        elif kind == "stop" and isinstance(matched, int):
+            a.req.finished_reason = FINISH_MATCHED_TOKEN(matched=matched)
+        elif kind == "stop" and isinstance(matched, str):
+            a.req.finished_reason = FINISH_MATCHED_STR(matched=matched)
+        else:
+            a.req.finished_reason = FINISH_ABORT(str(finish.get("message") or "the migrated request ended"))

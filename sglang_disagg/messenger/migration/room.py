@@ -1,0 +1,68 @@
+"""The migration's source, as it travels in B's request: SGLang's bootstrap fields (host, port,
+room) name decoder A's messenger and the held request, and the room carries a MAC with the
+deployment's secret over all three.
+
+Why a MAC: B's front end takes these fields from anyone holding the API key, and a decoder
+that believed them would connect its messenger wherever a client pointed it. B checks the MAC
+before it contacts anything: without the secret, a forged source is refused at intake
+(one try in 2**32 passes the check, and even then A refuses an order for a request it does
+not hold). Pure: no sockets.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from dataclasses import dataclass
+
+HANDLE_BITS = 31
+MAC_BITS = 32
+
+
+class SourceError(ValueError):
+    """Bootstrap fields that do not name a migration source this deployment made."""
+
+
+def _mac(secret: bytes, host: str, port: int, handle: int) -> int:
+    msg = f"sglang-disagg migration source v1|{host}|{port}|{handle}".encode()
+    return int.from_bytes(hmac.new(secret, msg, hashlib.sha256).digest()[:4], "big")
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    host: str
+    port: int
+    handle: int  # the held request's key on A (never A's rid)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @classmethod
+    def new(cls, address: str) -> Source:
+        host, _, port = address.rpartition(":")
+        return cls(host, int(port), secrets.randbits(HANDLE_BITS))
+
+    def room(self, secret: bytes) -> int:
+        return (self.handle << MAC_BITS) | _mac(secret, self.host, self.port, self.handle)
+
+    def fields(self, secret: bytes) -> dict:
+        return {"bootstrap_host": self.host, "bootstrap_port": self.port, "bootstrap_room": self.room(secret)}
+
+    @classmethod
+    def of(cls, host: object, port: object, room: object, secret: bytes) -> Source | None:
+        """The source a request's bootstrap fields name (None: they name none), or SourceError."""
+        if host is None:  # SGLang may fill a room (and a default port) on its own: the host decides
+            return None
+        if not isinstance(host, str) or not host or len(host) > 255:
+            raise SourceError("a migrated request names no valid source host")
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+            raise SourceError("a migrated request names no valid source port")
+        if isinstance(room, bool) or not isinstance(room, int) or not 0 <= room < 1 << (HANDLE_BITS + MAC_BITS):
+            raise SourceError("a migrated request names no valid room")
+        handle, mac = room >> MAC_BITS, room & ((1 << MAC_BITS) - 1)
+        if not hmac.compare_digest(mac.to_bytes(4, "big"), _mac(secret, host, port, handle).to_bytes(4, "big")):
+            raise SourceError("the migration source is not authenticated (its room's MAC does not match this "
+                              "deployment's secret)")
+        return cls(host, port, handle)

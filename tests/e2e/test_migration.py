@@ -1,0 +1,199 @@
+"""Live migration between decoders (issue 43), on real SGLang servers, over shmem and libfabric
+tcp: a greedy request cut on decoder A at an exact output count (a test hook keyed by the
+request id, not timing) continues on decoder B, and the client, still connected to A, gets
+exactly the tokens of a request that never moved; nothing is recomputed (no prefill order for
+it, the bytes A wrote are the request's KV, the floor) and both decoders hold nothing after.
+Then the client leaving mid-relay, a target decoder that dies on the request (it stays on A,
+exact), and A killed after the hand-over (B aborts it and frees its pages).
+
+Stack: a prefill server and decoder A (launcher --role all; A is asked directly, as its router
+would) and decoder B (--role decode) on the same prefill server. A's hook sends requests named
+migrate-after-K-* to B after K outputs (migrate-after-K-port-P-* to 127.0.0.1:P)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import threading
+import time
+
+import pytest
+
+from sglang_disagg.launch import LaunchConfig, Role, Stack
+from sglang_disagg.launch.client import RequestError, generate_ids, greedy, post_json
+from sglang_disagg.launch.config import Ports
+from sglang_disagg.messenger.planner import pages_for
+
+from .conftest import COMMON_ARGS, OUTPUT_TOKENS, next_port
+from .faultlib import FAULT_DEADLINE_S, scrape, signal_group, value, wait_for, wait_released
+
+pytestmark = pytest.mark.e2e
+
+LONG = 80  # output tokens of the requests cut after 5 and after 50
+BACKENDS = [("shmem", None), ("libfabric", "tcp")]
+
+
+@pytest.fixture(scope="module", params=BACKENDS, ids=["shmem", "libfabric-tcp"])
+def decoders(request, tmp_path_factory, references):
+    backend, provider = request.param
+    references("tiny-llama")  # the colocated reference first: one stack at a time on 2 cores
+    root = tmp_path_factory.mktemp(f"migration-{backend}")
+    a_port, b_port = next_port(), next_port()
+    b_url = f"http://127.0.0.1:{Ports(b_port).decode}"
+    common = dict(model="tiny-llama", backend=backend, provider=provider, max_total_tokens=4096,
+                  extra_args=COMMON_ARGS)
+    a = Stack.for_config(LaunchConfig(role=Role.ALL, port=a_port, log_dir=str(root / "a"),
+                                      env=(("SGLANG_DISAGG_TEST_MIGRATE", f"to={b_url}"),), **common))
+    b = None
+    try:
+        a.start()
+        b = Stack.for_config(LaunchConfig(role=Role.DECODE, port=b_port, log_dir=str(root / "b"),
+                                          secret_file=a.cfg.secret_file,
+                                          prefill_messengers=(f"127.0.0.1:{a.cfg.ports.bootstrap}",), **common))
+        b.start()
+        assert b.url == b_url, f"decoder B serves at {b.url}, the hook names {b_url}"
+        yield a, b
+    finally:
+        if b is not None:
+            b.stop()
+        a.stop()
+
+
+def _decoder(a: Stack):
+    return next(p for p in a.servers if p.spec.name == Role.DECODE.value)
+
+
+def _m(stack: Stack, role: str = "decode") -> dict:
+    port = stack.cfg.ports.prefill_metrics if role == "prefill" else stack.cfg.ports.decode_metrics
+    return scrape(stack.cfg.host, port)
+
+
+def _served(a: Stack) -> float:
+    return value(_m(a, "prefill"), "sglang_disagg_requests_total", outcome="served")
+
+
+def _migrations(a: Stack, outcome: str) -> float:
+    return value(_m(a), "sglang_disagg_migrations_total", outcome=outcome)
+
+
+def _free(*stacks: Stack) -> None:
+    for s in stacks:
+        t, leaked = wait_released(s.cfg.host, s.cfg.ports.decode_metrics, time.monotonic(), FAULT_DEADLINE_S)
+        assert leaked == 0, f"{leaked} pages or requests held on {s.log_dir.name} {t:.2f}s after"
+
+
+def test_a_request_cut_after_5_and_after_50_tokens_continues_on_the_other_decoder_exact(decoders, references):
+    a, b = decoders
+    prompts, outputs = references("tiny-llama")
+    url, prompt = _decoder(a).url, prompts[-2]  # longer than a prefill chunk
+    plain = generate_ids(url, prompt, LONG, rid="plain-1")
+    assert plain[:OUTPUT_TOKENS] == outputs[-2], "the unmigrated run is the colocated one"
+    carried_b = value(_m(b), "sglang_disagg_requests_total", outcome="carried")
+    for n, k in enumerate((5, 50), 1):
+        served, moved = _served(a), value(_m(a), "sglang_disagg_migration_bytes_total")
+        got = generate_ids(url, prompt, LONG, rid=f"migrate-after-{k}-1")
+        assert got == plain, f"migrated after {k} tokens: {got} != unmigrated {plain}"
+        assert _served(a) == served + 1, "one prefill order (A's own); B's KV came from A, recomputing nothing"
+        wait_for("the hand-over counted", lambda: _migrations(a, "handed_over") >= n, 5, 0.05)
+        trace = a.messenger_stats("decode")["migrations"][-1]
+        stats = a.messenger_stats("decode")
+        assert trace["outputs_at_cut"] == k and trace["kv_tokens"] == len(prompt) + k - 1, trace
+        floor = pages_for(trace["kv_tokens"], stats["page_size"]) * stats["kv_page_bytes"]
+        assert trace["bytes"] == floor, f"A wrote {trace['bytes']} bytes, the request's KV is {floor}"
+        assert value(_m(a), "sglang_disagg_migration_bytes_total") - moved == floor
+        print(f"\nmigration | {a.cfg.transfer_backend} after {k}: {trace['kv_tokens']} tokens of KV, "
+              f"{trace['bytes']} bytes ({trace['writes']} writes), hand-over {trace['hand_over_s'] * 1000:.1f} ms")
+    assert value(_m(b), "sglang_disagg_requests_total", outcome="carried") == carried_b + 2
+    assert _migrations(a, "failed") == 0 and value(_m(a), "sglang_disagg_migration_relays") == 0
+    _free(a, b)
+
+
+def test_a_forged_migration_source_is_refused_without_contacting_anything(decoders):
+    _, b = decoders
+    with pytest.raises(RequestError, match="HTTP 400.*not authenticated"):
+        post_json(f"{b.url}/generate", {"input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": 4},
+                                       "bootstrap_host": "127.0.0.1", "bootstrap_port": 9,
+                                       "bootstrap_room": 12345}, 30, api_key=b.api_key)
+    links = (b.messenger_stats("decode") or {}).get("links", {})
+    assert "127.0.0.1:9" not in links, "a forged source was contacted"
+
+
+def _stream(url: str, prompt: list[int], n: int, rid: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps({"input_ids": prompt, "sampling_params": greedy(n), "stream": True, "rid": rid}).encode()
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    return sock
+
+
+def test_a_client_leaving_a_relayed_stream_aborts_it_on_the_new_decoder(decoders, references):
+    a, b = decoders
+    prompts, _ = references("tiny-llama")
+    handed = _migrations(a, "handed_over")
+    sock = _stream(_decoder(a).url, prompts[3], 3000, "migrate-after-5-leaves")
+    got = b""
+    while got.count(b"data:") < 20:  # past the cut: these tokens come from B
+        got += sock.recv(65536)
+    assert _migrations(a, "handed_over") == handed + 1
+    running = lambda: value(_m(b), "sglang_disagg_queue_depth", queue="running")  # noqa: E731
+    assert running() == 1, "the relayed request runs on B"
+    sock.close()
+    t0 = time.monotonic()
+    wait_for("B aborting the request", lambda: running() == 0, FAULT_DEADLINE_S, 0.02)
+    print(f"\nmigration | client left mid-relay: B stopped it {time.monotonic() - t0:.3f}s after")
+    _free(a, b)
+
+
+class DyingDecoder:
+    """A fault injector in place of decoder B: it accepts A's request, reads it, and dies (the
+    connection closes without an answer), as a decoder killed mid-migration does."""
+
+    def __init__(self) -> None:
+        self.srv = socket.create_server(("127.0.0.1", 0))
+        self.port, self.hits = self.srv.getsockname()[1], 0
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                conn, _ = self.srv.accept()
+            except OSError:
+                return
+            conn.recv(65536)
+            self.hits += 1
+            conn.close()
+
+
+def test_a_target_that_dies_on_the_request_leaves_it_on_the_first_decoder_exact(decoders, references):
+    a, b = decoders
+    prompts, outputs = references("tiny-llama")
+    dying = DyingDecoder()
+    failed = _migrations(a, "failed")
+    got = generate_ids(_decoder(a).url, prompts[4], OUTPUT_TOKENS, rid=f"migrate-after-5-port-{dying.port}-x")
+    dying.srv.close()
+    assert dying.hits == 1, "the migration never reached the target"
+    assert got == outputs[4], "the request continued on A, exact"
+    assert _migrations(a, "failed") == failed + 1
+    _free(a, b)
+
+
+def test_the_first_decoder_killed_after_the_hand_over_lets_the_new_one_free_everything(decoders, references):
+    a, b = decoders
+    prompts, _ = references("tiny-llama")
+    handed = _migrations(a, "handed_over")
+    sock = _stream(_decoder(a).url, prompts[3], 3000, "migrate-after-5-orphan")
+    got = b""
+    while got.count(b"data:") < 20:
+        got += sock.recv(65536)
+    assert _migrations(a, "handed_over") == handed + 1
+    running = lambda: value(_m(b), "sglang_disagg_queue_depth", queue="running")  # noqa: E731
+    assert running() == 1
+    signal_group(_decoder(a), signal.SIGKILL)  # A's whole server: its relay goes with it
+    t0 = time.monotonic()
+    wait_for("B dropping the orphaned request", lambda: running() == 0, FAULT_DEADLINE_S, 0.02)
+    print(f"\nmigration | A killed after the hand-over: B stopped it {time.monotonic() - t0:.3f}s after")
+    sock.close()
+    _free(b)
+    assert generate_ids(b.url, prompts[2], OUTPUT_TOKENS) is not None  # B keeps serving
