@@ -250,7 +250,7 @@ class DecodeMessenger(RequestEndings):
             self._step()
 
     def _step(self) -> None:
-        if self.out is not None and (self.out.hook is not None or not self.out.idle()):
+        if self.out is not None and self.out.wants_step():
             self.out.step()
         if not self.entries and not self._inbox:
             # Nothing of ours in flight and nothing arrived: the requests decoding hold their

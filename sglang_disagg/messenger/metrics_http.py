@@ -12,15 +12,18 @@ Here, as on the control ports (backends/control.py):
 - evictions and deadlines counted (``evicted``, ``timed_out``, both exported by the messenger as
   ``sglang_disagg_metrics_connections_dropped{why}``) and logged at a bounded rate.
 
-The port is keyless by design (the numbers are operational, not secret; docs/security.md).
+The metrics are keyless by design (the numbers are operational, not secret; docs/security.md);
+paths added through ``routes`` (a decoder's /drain) check their own key.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
@@ -102,13 +105,36 @@ def _cut(sock: socket.socket) -> None:
         pass
 
 
+class Routes:
+    """The metrics app at any path but those added: ``add(path, handler)``, where
+    ``handler(environ) -> (status, JSON-able body)`` answers that path (each checks its own key)."""
+
+    def __init__(self, metrics: Callable) -> None:
+        self._metrics, self._routes = metrics, {}
+
+    def add(self, path: str, handler: Callable[[dict], tuple[str, dict]]) -> None:
+        self._routes[path] = handler
+
+    def __call__(self, environ: dict, start_response: Callable) -> list[bytes]:
+        handler = self._routes.get(environ.get("PATH_INFO", ""))
+        if handler is None:
+            return self._metrics(environ, start_response)
+        status, body = handler(environ)
+        data = json.dumps(body).encode()
+        start_response(status, [("Content-Type", "application/json"), ("Content-Length", str(len(data)))])
+        return [data]
+
+
 def serve(host: str, port: int, registry: CollectorRegistry) -> BoundedMetricsServer:
-    """Listen on (host, port) and serve `registry` at any path, from a daemon thread."""
+    """Listen on (host, port) and serve `registry` at any path, from a daemon thread; more
+    paths through the server's ``routes``."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
 
     class _Server(BoundedMetricsServer):
         address_family = family
 
-    httpd = make_server(host, port, make_wsgi_app(registry), _Server, handler_class=_Quiet)
+    routes = Routes(make_wsgi_app(registry))
+    httpd = make_server(host, port, routes, _Server, handler_class=_Quiet)
+    httpd.routes = routes
     threads.Thread(target=httpd.serve_forever, args=(_SWEEP_S,), name="messenger-metrics", daemon=True).start()
     return httpd

@@ -12,6 +12,7 @@ migrate-after-K-* to B after K outputs (migrate-after-K-port-P-* to 127.0.0.1:P)
 
 from __future__ import annotations
 
+import http.client
 import json
 import signal
 import socket
@@ -177,6 +178,78 @@ def test_a_target_that_dies_on_the_request_leaves_it_on_the_first_decoder_exact(
     assert got == outputs[4], "the request continued on A, exact"
     assert _migrations(a, "failed") == failed + 1
     _free(a, b)
+
+
+def _drain(a: Stack, method: str = "GET", body: dict | None = None, key: str | None = None) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", a.cfg.ports.decode_metrics, timeout=10)
+    data = json.dumps(body).encode() if body is not None else None
+    headers = {"Authorization": f"Bearer {a.admin_key if key is None else key}", "Content-Type": "application/json"}
+    conn.request(method, "/drain", data, headers)
+    r = conn.getresponse()
+    return r.status, json.loads(r.read() or b"{}")
+
+
+class Streamed(threading.Thread):
+    """A streaming greedy request to A, read to its end: its output ids, and how many events."""
+
+    def __init__(self, url: str, prompt: list[int], n: int, rid: str) -> None:
+        super().__init__(daemon=True)
+        self.url, self.prompt, self.n, self.rid = url, prompt, n, rid
+        self.out: list[int] | None = None
+        self.events, self.err = 0, None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            host, port = self.url.removeprefix("http://").split(":")
+            conn = http.client.HTTPConnection(host, int(port), timeout=120)
+            conn.request("POST", "/generate", json.dumps({"input_ids": self.prompt, "rid": self.rid, "stream": True,
+                                                          "sampling_params": greedy(self.n)}),
+                         {"Content-Type": "application/json"})
+            r = conn.getresponse()
+            for line in r:
+                if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
+                    ev = json.loads(line[5:])
+                    if "error" in ev:
+                        raise RuntimeError(ev["error"])
+                    self.out, self.events = ev["output_ids"], self.events + 1
+        except Exception as e:  # noqa: BLE001 - the test reports it
+            self.err = e
+
+
+def test_drain_moves_every_running_stream_to_the_other_decoder_and_each_ends_exact(decoders, references):
+    a, b = decoders
+    prompts, _ = references("tiny-llama")
+    url, n = _decoder(a).url, 160
+    assert _drain(a, key="wrong")[0] == 401
+    assert _drain(a, "POST", {"to": ["file:///etc/passwd"]})[0] == 400
+    chosen = [prompts[k] for k in (2, 3, 4, 5)]
+    plain = [Streamed(url, p, n, f"plain-drain-{i}") for i, p in enumerate(chosen)]
+    for t in plain:
+        t.join(120)
+    assert all(t.err is None and len(t.out) == n for t in plain), [t.err for t in plain]
+    handed = _migrations(a, "handed_over")
+    streams = [Streamed(url, p, n, f"drain-{i}") for i, p in enumerate(chosen)]
+    wait_for("every stream decoding", lambda: all(t.events >= 5 for t in streams), 60, 0.01)
+    code, body = _drain(a, "POST", {"to": [b.url]})
+    assert code == 202 and body["draining"], body
+    t0 = time.monotonic()
+    wait_for("the drained decoder holding nothing", lambda: _drain(a)[1].get("done"), 10, 0.05)
+    t_done = time.monotonic() - t0
+    t_free, leaked = wait_released(a.cfg.host, a.cfg.ports.decode_metrics, t0, 10.0)
+    assert leaked == 0
+    still = sum(t.is_alive() for t in streams)
+    for t in streams:
+        t.join(120)
+    assert [t.err for t in streams] == [None] * 4
+    for i, (t, p) in enumerate(zip(streams, plain)):
+        assert t.out == p.out, f"stream {i}: drained {t.out} != undrained {p.out}"
+    status = _drain(a)[1]
+    assert (status["migrated"], status["failed"], status["refused"], status["done"]) == (4, 0, 0, True), status
+    assert _migrations(a, "handed_over") == handed + 4
+    print(f"\nmigration | drain of 4 streams: A held nothing {t_done:.3f}s after POST /drain (pages free "
+          f"{t_free:.3f}s), {still} streams still running then on B, each ended exact")
+    _free(b)
 
 
 def test_the_first_decoder_killed_after_the_hand_over_lets_the_new_one_free_everything(decoders, references):

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,46 +32,16 @@ from ..orders import DecoderLink
 from ..planner import ShardPlan
 from ..requests import release
 from .carry import Carried, refusals
+from .drain import MAX_IN_FLIGHT, DrainDoor
 from .metrics import MigrationMetrics
-from .relay import Relay
+from .hook import TestHook
+from .relay import Relay, finish_reason
 from .room import Source
 from .source import Held, HeldState, MigrationRefused, MigrationSource
 
 logger = logging.getLogger("sglang_disagg.migration")
-TEST_ENV = "SGLANG_DISAGG_TEST_MIGRATE"  # "to=URL": requests named migrate-after-K-* migrate there after K outputs
 MAX_PEERS = 64      # decoders that said Hello to this one as migration targets (bounded table)
 CUT_ATTR = "sglang_disagg_migrated"
-
-
-@dataclass(frozen=True, slots=True)
-class TestHook:
-    """Test hook (by token count, not timing): a request whose rid starts with
-    ``migrate-after-K-`` migrates to decoder `to` once it has K output tokens."""
-
-    to: str
-    PREFIX = "migrate-after-"
-
-    @classmethod
-    def from_env(cls) -> TestHook | None:
-        raw = os.environ.get(TEST_ENV, "")
-        if not raw:
-            return None
-        kv = dict(part.split("=", 1) for part in raw.split(",") if "=" in part)
-        if not kv.get("to", "").startswith("http"):
-            raise ValueError(f"{TEST_ENV}={raw!r}: expected to=URL")
-        return cls(kv["to"].rstrip("/"))
-
-    def after(self, rid: str) -> tuple[int, str] | None:
-        """(K, target URL) for a request named migrate-after-K-*; migrate-after-K-port-P-*
-        targets 127.0.0.1:P instead (a fault test's decoder that dies or never answers)."""
-        if not rid.startswith(self.PREFIX):
-            return None
-        parts = rid[len(self.PREFIX):].split("-")
-        if not parts[0].isdigit() or int(parts[0]) < 1:
-            return None
-        if len(parts) > 2 and parts[1] == "port" and parts[2].isdigit():
-            return int(parts[0]), f"http://127.0.0.1:{int(parts[2])}"
-        return int(parts[0]), self.to
 
 
 @dataclass(slots=True, eq=False)
@@ -105,6 +74,12 @@ class Outgoing:
         self.stats = {"migrations_started": 0, "migrations_handed_over": 0, "migrations_failed": 0,
                       "migrations_refused": 0, "migration_bytes": 0, "relays_active": 0}
         self.metrics = MigrationMetrics(self.node.metrics.registry, self.stats)
+        self.door = DrainDoor(getattr(self.sched.server_args, "admin_api_key", None), self.node.wakeup.set)
+        if self.node.metrics.server is not None:
+            self.node.metrics.server.routes.add("/drain", self.door)
+        self.draining: tuple[str, ...] = ()   # the decoders a drain moves requests to
+        self.drain_base: dict = {}
+        self.sent: dict[str, int] = {}        # target -> migrations from here not handed over yet
 
     # ----- control thread -------------------------------------------------------------
     def on_message(self, peer: Any, msg: wire.Message) -> bool:
@@ -118,12 +93,21 @@ class Outgoing:
     def idle(self) -> bool:
         return not (self.away or self.cutting or self.inbox)
 
+    def wants_step(self) -> bool:
+        return self.hook is not None or bool(self.draining) or not self.idle() or self.door.status.get("draining")
+
     def step(self) -> None:
         while self.inbox:
             peer, msg = self.inbox.popleft()
             self._hello(peer, msg) if isinstance(msg, wire.Hello) else self._order(peer, msg)
+        asked = self.door.take()
+        if asked:
+            if not self.draining:  # what the status counts: since this drain began
+                self.drain_base = dict(self.stats)
+            self.draining = asked
+            logger.warning("migration: draining: running requests move to %s", ", ".join(asked))
         self._hold_cut()
-        if self.hook is not None:
+        if self.hook is not None or self.draining:
             self._cut_due()
         for h in self.source.expired():
             if (a := self.away.get(h.rid)) is not None:
@@ -137,6 +121,19 @@ class Outgoing:
             else:
                 self._back(self.away.pop(h.rid), h.error or "the migration failed")
         self._relay()
+        if self.draining:
+            self._publish()
+
+    def _publish(self) -> None:
+        batch = self.sched.running_batch
+        running = len(batch.reqs) + len(self.sched.waiting_queue)
+        relaying = sum(1 for a in self.away.values() if a.handed)
+        since = {k: self.stats[k] - self.drain_base.get(k, 0) for k in self.stats}
+        self.door.publish({"draining": True, "to": list(self.draining), "running": running,
+                           "migrating": len(self.away) - relaying + len(self.cutting), "relaying": relaying,
+                           "migrated": since["migrations_handed_over"], "failed": since["migrations_failed"],
+                           "refused": since["migrations_refused"],
+                           "done": running == 0 and len(self.away) == relaying and not self.cutting})
 
     def abort(self, recv_req: Any) -> None:
         from ..requests import abort_matches
@@ -195,7 +192,17 @@ class Outgoing:
         batch = self.sched.running_batch
         inflight = 1 if getattr(self.sched, "enable_overlap", False) else 0
         due = [(r, hit[1]) for r in batch.reqs if not getattr(r, CUT_ATTR, False) and not r.finished()
-               and (hit := self.hook.after(r.rid)) is not None and len(r.output_ids) >= hit[0] - inflight]
+               and self.hook is not None and (hit := self.hook.after(r.rid)) is not None
+               and len(r.output_ids) >= hit[0] - inflight]
+        if self.draining:
+            room = MAX_IN_FLIGHT - sum(1 for a in self.away.values() if not a.handed) - len(self.cutting)
+            for r in batch.reqs:
+                if room <= len(due):
+                    break
+                if not getattr(r, CUT_ATTR, False) and not r.finished() and r.output_ids and \
+                        all(r is not d for d, _ in due):
+                    due.append((r, min(self.draining, key=lambda t: self.sent.get(t, 0))))
+                    self.sent[due[-1][1]] = self.sent.get(due[-1][1], 0) + 1
         for req, to in due:
             setattr(req, CUT_ATTR, True)
             why = refusals(req)
@@ -240,6 +247,7 @@ class Outgoing:
         """Every write completed: A's pages go; the request lives on B, relayed here."""
         release(self.sched, a.req)
         a.handed = time.monotonic()
+        self._unsent(a)
         self.stats["migrations_handed_over"] += 1
         self.stats["migration_bytes"] += a.held.nbytes if a.held else 0
         self.metrics.handed_over(a.held.nbytes if a.held else 0, a.handed - a.cut_at)
@@ -256,6 +264,7 @@ class Outgoing:
         waiting queue: its prompt + outputs match the tree, so little is recomputed."""
         self.stats["migrations_failed"] += 1
         self.metrics.outcome("failed")
+        self._unsent(a)
         if a.relay is not None:
             a.relay.close()
             self.stats["relays_active"] -= 1
@@ -269,6 +278,10 @@ class Outgoing:
         release(self.sched, a.req, checkpoint=True)  # the tree keeps its KV: re-running it here is cheap
         a.req.reset_for_retract()
         self.sched.waiting_queue.append(a.req)
+
+    def _unsent(self, a: Away) -> None:
+        if self.sent.get(a.to):
+            self.sent[a.to] -= 1
 
     # ----- the relay ----------------------------------------------------------------------
     def _relay(self) -> None:
@@ -298,15 +311,4 @@ class Outgoing:
 
     @staticmethod
     def _finish(a: Away, finish: dict) -> None:
-        from sglang.srt.managers.schedule_batch import (FINISH_ABORT, FINISH_LENGTH, FINISH_MATCHED_STR,
-                                                        FINISH_MATCHED_TOKEN)
-
-        kind, matched = finish.get("type"), finish.get("matched")
-        if kind == "length":
-            a.req.finished_reason = FINISH_LENGTH(length=a.carried.max_new_tokens)
-        elif kind == "stop" and isinstance(matched, int):
-            a.req.finished_reason = FINISH_MATCHED_TOKEN(matched=matched)
-        elif kind == "stop" and isinstance(matched, str):
-            a.req.finished_reason = FINISH_MATCHED_STR(matched=matched)
-        else:
-            a.req.finished_reason = FINISH_ABORT(str(finish.get("message") or "the migrated request ended"))
+        a.req.finished_reason = finish_reason(finish, a.carried.max_new_tokens if a.carried else 0)

@@ -127,3 +127,19 @@ class Relay:
             if meta.get("finish_reason"):
                 self.finish = dict(meta["finish_reason"])
         self.wake()
+
+
+def finish_reason(finish: dict, max_new_tokens: int):
+    """B's finish reason (its meta_info) as the SGLang finish reason A reports: a length limit is
+    the request's whole budget (B's was reduced by A's outputs), stops are B's as given."""
+    from sglang.srt.managers.schedule_batch import (FINISH_ABORT, FINISH_LENGTH, FINISH_MATCHED_STR,
+                                                    FINISH_MATCHED_TOKEN)
+
+    kind, matched = finish.get("type"), finish.get("matched")
+    if kind == "length":
+        return FINISH_LENGTH(length=max_new_tokens)
+    if kind == "stop" and isinstance(matched, int) and not isinstance(matched, bool):
+        return FINISH_MATCHED_TOKEN(matched=matched)
+    if kind == "stop" and isinstance(matched, str):
+        return FINISH_MATCHED_STR(matched=matched)
+    return FINISH_ABORT(str(finish.get("message") or "the migrated request ended")[:500])
