@@ -67,3 +67,28 @@ def test_waiting_finished_and_speculative_requests_are_not_migrated():
     assert any("no output token yet" in r for r in refusals(_req(outputs=())))
     assert any("speculative" in r for r in refusals(_req(), speculative=True))
     assert refusals(_req()) == []
+
+
+@pytest.mark.parametrize("rid,want", [
+    ("migrate-after-5-x", (5, "http://b:1")), ("migrate-after-50-1", (50, "http://b:1")),
+    ("migrate-after-5-port-4321-x", (5, "http://127.0.0.1:4321")), ("migrate-after-0-x", None),
+    ("migrate-after-x", None), ("plain-1", None), ("migrate-after--5", None),
+])
+def test_the_test_hook_reads_its_count_and_target_from_the_request_id(rid, want):
+    from sglang_disagg.messenger.migration.hook import TestHook
+
+    assert TestHook("http://b:1").after(rid) == want
+
+
+@pytest.mark.parametrize("finish,want", [
+    ({"type": "length", "length": 75}, ("length", 80)), ({"type": "stop", "matched": 2}, ("stop", 2)),
+    ({"type": "stop", "matched": "END"}, ("stop", "END")), ({"type": "abort", "message": "gone"}, ("abort", "gone")),
+    ({"type": "stop", "matched": True}, ("abort", "the migrated request ended")),
+])
+def test_the_new_decoders_finish_reason_is_reported_as_one_decoder_would(finish, want):
+    from sglang_disagg.messenger.migration.relay import finish_reason
+
+    got = finish_reason(finish, 80).to_json()
+    kind, detail = want
+    assert got["type"] == kind
+    assert got.get("length", got.get("matched", got.get("message"))) == detail, got
