@@ -1,0 +1,62 @@
+"""Live migration of an MLA request (tiny-deepseek-v3, float32): decoder A's latent KV pages move
+into decoder B's through the planner's replicated-latent path (one latent row per page and
+layer), and the request cut after 5 output tokens ends exactly as on one colocated server;
+the bytes A wrote are the request's latent KV, the floor. Setup as test_migration.py (its own
+module so the dense stacks are gone before these start: one stack pair at a time on 2 cores)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang_disagg.launch import LaunchConfig, Role, Stack
+from sglang_disagg.launch.client import generate_ids
+from sglang_disagg.launch.config import Ports
+from sglang_disagg.messenger.planner import pages_for
+
+from .conftest import COMMON_ARGS, OUTPUT_TOKENS, next_port
+from .deepseek_pd import LAYERS, MODEL
+from .faultlib import wait_for
+from .test_migration import _decoder, _free, _migrations, _served
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def mla_decoders(tmp_path_factory, deepseek_reference, stacks):
+    stacks.close()  # the pool's reference stack would compete for the 2 cores
+    root = tmp_path_factory.mktemp("migration-mla")
+    a_port, b_port = next_port(), next_port()
+    b_url = f"http://127.0.0.1:{Ports(b_port).decode}"
+    common = dict(model=MODEL, backend="shmem", max_total_tokens=4096, extra_args=COMMON_ARGS)
+    a = Stack.for_config(LaunchConfig(role=Role.ALL, port=a_port, log_dir=str(root / "a"),
+                                      env=(("SGLANG_DISAGG_TEST_MIGRATE", f"to={b_url}"),), **common))
+    b = None
+    try:
+        a.start()
+        b = Stack.for_config(LaunchConfig(role=Role.DECODE, port=b_port, log_dir=str(root / "b"),
+                                          secret_file=a.cfg.secret_file,
+                                          prefill_messengers=(f"127.0.0.1:{a.cfg.ports.bootstrap}",), **common))
+        b.start()
+        yield a, b
+    finally:
+        if b is not None:
+            b.stop()
+        a.stop()
+
+
+def test_an_mla_request_cut_after_5_tokens_ends_as_on_one_colocated_server(mla_decoders, deepseek_reference):
+    a, b = mla_decoders
+    prompts, outputs = deepseek_reference.prompts, deepseek_reference.outputs
+    k = len(prompts) - 3  # the long prompt: several pages of latent
+    served = _served(a)
+    got = generate_ids(_decoder(a).url, prompts[k], OUTPUT_TOKENS, rid="migrate-after-5-mla")
+    assert got == outputs[k], f"migrated MLA request {got} != colocated {outputs[k]}"
+    assert _served(a) == served + 1, "B recomputed nothing: its KV came from A"
+    wait_for("the hand-over counted", lambda: _migrations(a, "handed_over") >= 1, 5, 0.05)
+    stats = a.messenger_stats("decode")
+    trace = stats["migrations"][-1]
+    assert trace["outputs_at_cut"] == 5 and trace["kv_tokens"] == len(prompts[k]) + 4, trace
+    assert trace["bytes"] == pages_for(trace["kv_tokens"], stats["page_size"]) * stats["kv_page_bytes"], trace
+    assert trace["writes"] == pages_for(trace["kv_tokens"], stats["page_size"]) * LAYERS, \
+        "one latent write per page and layer (no separate V, one rank each side)"
+    _free(a, b)
