@@ -181,6 +181,45 @@ def test_a_target_that_dies_on_the_request_leaves_it_on_the_first_decoder_exact(
     _free(a, b)
 
 
+class HangingDecoder(DyingDecoder):
+    """A fault injector in place of decoder B that takes A's request and never answers."""
+
+    def _run(self) -> None:
+        self.conns = []
+        while True:
+            try:
+                conn, _ = self.srv.accept()
+            except OSError:
+                return
+            conn.recv(65536)
+            self.hits += 1
+            self.conns.append(conn)
+
+    def close(self) -> None:
+        self.srv.close()
+        for c in getattr(self, "conns", []):
+            c.close()
+
+
+def test_a_client_leaving_before_the_hand_over_frees_the_first_decoder(decoders, references):
+    a, b = decoders
+    prompts, _ = references("tiny-llama")
+    hang = HangingDecoder()
+    try:
+        sock = _stream(_decoder(a).url, prompts[3], 3000, f"migrate-after-5-port-{hang.port}-leaves")
+        got = b""
+        while got.count(b"data:") < 5:
+            got += sock.recv(65536)
+        wait_for("the target asked", lambda: hang.hits == 1, 10, 0.01)
+        sock.close()  # the request is held on A for a target that never orders its KV
+        t0 = time.monotonic()
+        t, leaked = wait_released(a.cfg.host, a.cfg.ports.decode_metrics, t0, FAULT_DEADLINE_S)
+        assert leaked == 0, f"{leaked} pages or requests still held on A {t:.2f}s after the client left"
+        print(f"\nmigration | client left before the hand-over: A free {t:.3f}s after")
+    finally:
+        hang.close()
+
+
 def _drain(a: Stack, method: str = "GET", body: dict | None = None, key: str | None = None) -> tuple[int, dict]:
     conn = http.client.HTTPConnection("127.0.0.1", a.cfg.ports.decode_metrics, timeout=10)
     data = json.dumps(body).encode() if body is not None else None

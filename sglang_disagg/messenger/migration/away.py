@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...backends import auth
+from ...backends import PeerState, auth
 from .. import compat, wire
 from ..kvpool import page_ids
 from ..orders import DecoderLink
@@ -116,7 +116,7 @@ class Outgoing:
             a = self.away.get(h.rid)
             if a is None:
                 continue
-            if h.state is HeldState.WRITTEN and not (a.relay is not None and a.relay.failed):
+            if h.state is HeldState.WRITTEN and not a.aborted and not (a.relay is not None and a.relay.failed):
                 self._handed(a)
             else:
                 self._back(self.away.pop(h.rid), h.error or "the migration failed")
@@ -152,6 +152,8 @@ class Outgoing:
             try:
                 if self.m.ranks.size != 1:
                     raise ValueError("this decoder has TP > 1: it migrates nothing yet")
+                for key in [k for k, x in self.peers.items() if x.peers[0].state is not PeerState.CONNECTED]:
+                    del self.peers[key]  # a decoder that went away: its slot is free again
                 if len(self.peers) >= MAX_PEERS and peer.id not in self.peers:
                     raise ValueError(f"{MAX_PEERS} decoders are linked for migration already")
                 link = DecoderLink(hello, ShardPlan.build(self.node.view.geometry, self.m.ranks.size, hello.kv.tp))
@@ -290,6 +292,12 @@ class Outgoing:
             if a.relay is None:
                 continue
             new, finish, error = a.relay.take()
+            if a.aborted and not a.handed:
+                # The client left before the hand-over: with no write posted A's pages go now,
+                # else once its writes settled (the settled loop then ends it the same way).
+                if self.source.drop(key):
+                    self._back(a, "the client left")
+                continue
             if new:
                 a.req.output_ids.extend(new)
             if error and not a.handed:
