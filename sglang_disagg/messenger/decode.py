@@ -252,6 +252,9 @@ class DecodeMessenger(RequestEndings):
     def _step(self) -> None:
         if self.out is not None and self.out.wants_step():
             self.out.step()
+            if self.out.changed:  # a hand-over or an ending: its trace is published at once
+                self.out.changed = False
+                self.node.stats_file.publish(self.snapshot, force=True)
         if not self.entries and not self._inbox:
             # Nothing of ours in flight and nothing arrived: the requests decoding hold their
             # KV and are SGLang's alone, so a decode step pays only this test. (Entries are

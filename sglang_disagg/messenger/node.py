@@ -280,11 +280,13 @@ class StatsFile:
         self._last = 0.0
         self._written: dict | None = None
 
-    def publish(self, snapshot: Callable[[], dict]) -> None:
+    def publish(self, snapshot: Callable[[], dict], force: bool = False) -> None:
+        """`force`: write now whatever the last write's age (an event a reader waits for, after
+        which the scheduler may go idle and write nothing more)."""
         if not self.path:
             return
         now = time.monotonic()
-        if now - self._last < self.every_s:
+        if now - self._last < self.every_s and not force:
             return
         self._last = now
         stats = snapshot()

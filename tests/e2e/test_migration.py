@@ -79,6 +79,13 @@ def _migrations(a: Stack, outcome: str) -> float:
     return value(_m(a), "sglang_disagg_migrations_total", outcome=outcome)
 
 
+def _traced(a: Stack, n: int) -> dict:
+    """A's published stats once they hold `n` migration traces (a hand-over is published at once)."""
+    wait_for(f"{n} migration traces published", lambda: len((a.messenger_stats("decode") or {}).get(
+        "migrations", [])) >= n, 5, 0.05)
+    return a.messenger_stats("decode")
+
+
 def _free(*stacks: Stack) -> None:
     for s in stacks:
         t, leaked = wait_released(s.cfg.host, s.cfg.ports.decode_metrics, time.monotonic(), FAULT_DEADLINE_S)
@@ -97,9 +104,8 @@ def test_a_request_cut_after_5_and_after_50_tokens_continues_on_the_other_decode
         got = generate_ids(url, prompt, LONG, rid=f"migrate-after-{k}-1")
         assert got == plain, f"migrated after {k} tokens: {got} != unmigrated {plain}"
         assert _served(a) == served + 1, "one prefill order (A's own); B's KV came from A, recomputing nothing"
-        wait_for("the hand-over counted", lambda: _migrations(a, "handed_over") >= n, 5, 0.05)
-        trace = a.messenger_stats("decode")["migrations"][-1]
-        stats = a.messenger_stats("decode")
+        stats = _traced(a, n)
+        trace = stats["migrations"][-1]
         assert trace["outputs_at_cut"] == k and trace["kv_tokens"] == len(prompt) + k - 1, trace
         floor = pages_for(trace["kv_tokens"], stats["page_size"]) * stats["kv_page_bytes"]
         assert trace["bytes"] == floor, f"A wrote {trace['bytes']} bytes, the request's KV is {floor}"

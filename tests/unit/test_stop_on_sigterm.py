@@ -21,9 +21,9 @@ SCRIPT = textwrap.dedent("""
 
     {install}
     child = ManagedProcess(ProcessSpec("sleeper", ("sleep", "600"), (), 0), Path(sys.argv[1]))
-    child.start()
-    print(child.pid, flush=True)
-    try:
+    try:  # entered before the pid is printed: the test's SIGTERM, sent after it reads the pid, lands inside
+        child.start()
+        print(child.pid, flush=True)
         time.sleep(60)
     finally:
         child.stop(grace_s=2)

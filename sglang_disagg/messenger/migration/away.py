@@ -79,6 +79,7 @@ class Outgoing:
             self.node.metrics.server.routes.add("/drain", self.door)
         self.draining: tuple[str, ...] = ()   # the decoders a drain moves requests to
         self.drain_base: dict = {}
+        self.changed = False  # a migration was handed over or ended since the messenger last published
         self.sent: dict[str, int] = {}        # target -> migrations from here not handed over yet
 
     # ----- control thread -------------------------------------------------------------
@@ -249,6 +250,7 @@ class Outgoing:
         """Every write completed: A's pages go; the request lives on B, relayed here."""
         release(self.sched, a.req)
         a.handed = time.monotonic()
+        self.changed = True
         self._unsent(a)
         self.stats["migrations_handed_over"] += 1
         self.stats["migration_bytes"] += a.held.nbytes if a.held else 0
@@ -266,6 +268,7 @@ class Outgoing:
         waiting queue: its prompt + outputs match the tree, so little is recomputed."""
         self.stats["migrations_failed"] += 1
         self.metrics.outcome("failed")
+        self.changed = True
         self._unsent(a)
         if a.relay is not None:
             a.relay.close()
@@ -312,6 +315,7 @@ class Outgoing:
                 out.append(a.req)
             if finish:
                 self._finish(a, finish)
+                self.changed = True
                 del self.away[key]
                 self.stats["relays_active"] -= 1
         if out:
