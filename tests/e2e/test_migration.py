@@ -12,6 +12,7 @@ migrate-after-K-* to B after K outputs (migrate-after-K-port-P-* to 127.0.0.1:P)
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -36,15 +37,13 @@ LONG = 80  # output tokens of the requests cut after 5 and after 50
 BACKENDS = [("shmem", None), ("libfabric", "tcp")]
 
 
-@pytest.fixture(scope="module", params=BACKENDS, ids=["shmem", "libfabric-tcp"])
-def decoders(request, tmp_path_factory, references):
-    backend, provider = request.param
-    references("tiny-llama")  # the colocated reference first: one stack at a time on 2 cores
-    root = tmp_path_factory.mktemp(f"migration-{backend}")
+@contextlib.contextmanager
+def decoder_pair(root, model: str, backend: str, provider: str | None = None):
+    """A prefill server and decoder A (--role all, its test hook aimed at B) and decoder B
+    (--role decode) on the same prefill server; stopped on the way out."""
     a_port, b_port = next_port(), next_port()
     b_url = f"http://127.0.0.1:{Ports(b_port).decode}"
-    common = dict(model="tiny-llama", backend=backend, provider=provider, max_total_tokens=4096,
-                  extra_args=COMMON_ARGS)
+    common = dict(model=model, backend=backend, provider=provider, max_total_tokens=4096, extra_args=COMMON_ARGS)
     a = Stack.for_config(LaunchConfig(role=Role.ALL, port=a_port, log_dir=str(root / "a"),
                                       env=(("SGLANG_DISAGG_TEST_MIGRATE", f"to={b_url}"),), **common))
     b = None
@@ -60,6 +59,14 @@ def decoders(request, tmp_path_factory, references):
         if b is not None:
             b.stop()
         a.stop()
+
+
+@pytest.fixture(scope="module", params=BACKENDS, ids=["shmem", "libfabric-tcp"])
+def decoders(request, tmp_path_factory, references):
+    backend, provider = request.param
+    references("tiny-llama")  # the colocated reference first: one stack at a time on 2 cores
+    with decoder_pair(tmp_path_factory.mktemp(f"migration-{backend}"), "tiny-llama", backend, provider) as pair:
+        yield pair
 
 
 def _decoder(a: Stack):
@@ -154,13 +161,14 @@ def test_a_client_leaving_a_relayed_stream_aborts_it_on_the_new_decoder(decoders
     _free(a, b)
 
 
-class DyingDecoder:
-    """A fault injector in place of decoder B: it accepts A's request, reads it, and dies (the
-    connection closes without an answer), as a decoder killed mid-migration does."""
+class FaultyTarget:
+    """A fault injector in place of decoder B: it accepts A's request, reads it, and then dies
+    (closes the connection without an answer, as a decoder killed mid-migration does) or, with
+    `hang`, never answers."""
 
-    def __init__(self) -> None:
+    def __init__(self, hang: bool = False) -> None:
         self.srv = socket.create_server(("127.0.0.1", 0))
-        self.port, self.hits = self.srv.getsockname()[1], 0
+        self.port, self.hits, self.hang, self.conns = self.srv.getsockname()[1], 0, hang, []
         threading.Thread(target=self._run, daemon=True).start()
 
     def _run(self) -> None:
@@ -171,46 +179,31 @@ class DyingDecoder:
                 return
             conn.recv(65536)
             self.hits += 1
-            conn.close()
+            self.conns.append(conn) if self.hang else conn.close()
+
+    def close(self) -> None:
+        self.srv.close()
+        for c in self.conns:
+            c.close()
 
 
 def test_a_target_that_dies_on_the_request_leaves_it_on_the_first_decoder_exact(decoders, references):
     a, b = decoders
     prompts, outputs = references("tiny-llama")
-    dying = DyingDecoder()
+    dying = FaultyTarget()
     failed = _migrations(a, "failed")
     got = generate_ids(_decoder(a).url, prompts[4], OUTPUT_TOKENS, rid=f"migrate-after-5-port-{dying.port}-x")
-    dying.srv.close()
+    dying.close()
     assert dying.hits == 1, "the migration never reached the target"
     assert got == outputs[4], "the request continued on A, exact"
     assert _migrations(a, "failed") == failed + 1
     _free(a, b)
 
 
-class HangingDecoder(DyingDecoder):
-    """A fault injector in place of decoder B that takes A's request and never answers."""
-
-    def _run(self) -> None:
-        self.conns = []
-        while True:
-            try:
-                conn, _ = self.srv.accept()
-            except OSError:
-                return
-            conn.recv(65536)
-            self.hits += 1
-            self.conns.append(conn)
-
-    def close(self) -> None:
-        self.srv.close()
-        for c in getattr(self, "conns", []):
-            c.close()
-
-
 def test_a_client_leaving_before_the_hand_over_frees_the_first_decoder(decoders, references):
     a, b = decoders
     prompts, _ = references("tiny-llama")
-    hang = HangingDecoder()
+    hang = FaultyTarget(hang=True)
     try:
         sock = _stream(_decoder(a).url, prompts[3], 3000, f"migrate-after-5-port-{hang.port}-leaves")
         got = b""

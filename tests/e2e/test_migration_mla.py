@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_disagg.launch import LaunchConfig, Role, Stack
 from sglang_disagg.launch.client import generate_ids
-from sglang_disagg.launch.config import Ports
 from sglang_disagg.messenger.planner import pages_for
 
-from .conftest import COMMON_ARGS, OUTPUT_TOKENS, next_port
+from .conftest import OUTPUT_TOKENS
 from .deepseek_pd import LAYERS, MODEL
-from .test_migration import _decoder, _free, _migrations, _served, _traced
+from .test_migration import decoder_pair, _decoder, _free, _migrations, _served, _traced
 
 pytestmark = pytest.mark.e2e
 
@@ -23,24 +21,8 @@ pytestmark = pytest.mark.e2e
 @pytest.fixture(scope="module")
 def mla_decoders(tmp_path_factory, deepseek_reference, stacks):
     stacks.close()  # the pool's reference stack would compete for the 2 cores
-    root = tmp_path_factory.mktemp("migration-mla")
-    a_port, b_port = next_port(), next_port()
-    b_url = f"http://127.0.0.1:{Ports(b_port).decode}"
-    common = dict(model=MODEL, backend="shmem", max_total_tokens=4096, extra_args=COMMON_ARGS)
-    a = Stack.for_config(LaunchConfig(role=Role.ALL, port=a_port, log_dir=str(root / "a"),
-                                      env=(("SGLANG_DISAGG_TEST_MIGRATE", f"to={b_url}"),), **common))
-    b = None
-    try:
-        a.start()
-        b = Stack.for_config(LaunchConfig(role=Role.DECODE, port=b_port, log_dir=str(root / "b"),
-                                          secret_file=a.cfg.secret_file,
-                                          prefill_messengers=(f"127.0.0.1:{a.cfg.ports.bootstrap}",), **common))
-        b.start()
-        yield a, b
-    finally:
-        if b is not None:
-            b.stop()
-        a.stop()
+    with decoder_pair(tmp_path_factory.mktemp("migration-mla"), MODEL, "shmem") as pair:
+        yield pair
 
 
 def test_an_mla_request_cut_after_5_tokens_ends_as_on_one_colocated_server(mla_decoders, deepseek_reference):
