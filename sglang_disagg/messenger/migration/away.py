@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...backends import PeerState, auth
+from ...backends import PeerState
 from .. import compat, wire
 from ..kvpool import page_ids
 from ..orders import DecoderLink
@@ -64,7 +64,7 @@ class Outgoing:
         self.m, self.sched, self.node = messenger, messenger.sched, messenger.node
         self.source = MigrationSource(self.node.view.geometry, messenger.ranks.size)
         self.hook = TestHook.from_env()
-        self.secret = auth.load_secret() or b""
+        self.secret = messenger.secret  # loaded once, by the decode messenger
         self.api_key = getattr(self.sched.server_args, "api_key", None)
         self.peers: dict[str, DecoderLink] = {}
         self.inbox: collections.deque[tuple[Any, wire.Message]] = collections.deque()
