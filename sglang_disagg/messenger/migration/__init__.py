@@ -19,8 +19,9 @@ version; their TP sizes may differ):
   5. Faults: no order within HOLD_S, or a write failed: the request goes back to A's batch
      and continues there (nothing lost, nothing leaked); B's deadline frees B's pages.
 
-Built so far: source.py (the held requests, their checks, plans and writes, tested over
-real backends and TP pairs) and carry.py (the state at the cut and what is refused, tested
-on SGLang's own Req). Not built yet: the cut in A's scheduler, B's ordering from a decoder,
-the relay, /drain and the membership registry (docs/architecture.md, "Live migration").
+Built: greedy requests from TP 1 decoders (away.py: the cut, the relay, the endings), B's
+ordering from a decoder (decode.py, links.py: a source link), the authenticated source
+(room.py), /drain (drain.py), metrics. Not built yet: a membership registry, the router told
+to stop sending, drain on SIGTERM, TP > 1 sources, sampled/structured/speculative requests
+(docs/architecture.md, "Live migration").
 """
