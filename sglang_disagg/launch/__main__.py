@@ -10,7 +10,7 @@ import time
 
 from sglang_disagg.launch import dryrun, gpu, keys
 from sglang_disagg.launch.client import chat
-from sglang_disagg.launch.config import LaunchConfig, Mode, Role
+from sglang_disagg.launch.config import DrainMode, LaunchConfig, Mode, Role
 from sglang_disagg.launch.deploy import load as load_deployment
 from sglang_disagg.launch.preflight import PreflightError, check_cuda, ephemeral_overlap
 from sglang_disagg.launch.process import StartupError, log_tail
@@ -62,6 +62,7 @@ FIELDS = {"role": "role", "model_path": "model", "port": "port", "host": "host",
           "prefill_messenger": "prefill_messengers", "log_dir": "log_dir", "startup_timeout": "startup_timeout_s",
           "transfer_timeout": "transfer_timeout_s", "link_recheck": "link_recheck_s",
           "sse_keepalive_secs": "sse_keepalive_s", "drain_timeout": "drain_timeout_s", "pin_cores": "pin_cores",
+          "drain_mode": "drain_mode", "router": "router_url", "member_url": "member_url",
           "stream": "stream", "decode_prefix_reuse": "reuse_prefix",
           "secret_file": "secret_file", "attention_backend": "attention_backend",
           "enable_deterministic_inference": "deterministic", "gpus": "gpus", "prefill_gpus": "prefill_gpus",
@@ -174,6 +175,15 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--startup-timeout", type=float, default=300.0)
     ap.add_argument("--drain-timeout", type=float, default=30.0,
                     help="on SIGTERM, seconds in-flight requests may take to finish before everything stops")
+    ap.add_argument("--drain-mode", type=DrainMode, choices=list(DrainMode), default=DrainMode.WAIT,
+                    help="--role decode, on SIGTERM: wait (default) lets running requests finish here within "
+                         "--drain-timeout; migrate moves them to --router's other decoders first (their streams "
+                         "stay on this decoder's HTTP front end until they end), then waits for what could not move")
+    ap.add_argument("--router", default=None, metavar="URL",
+                    help="--role decode (messenger): the deployment's router; this decoder joins its worker list "
+                         "once up and leaves it when it drains")
+    ap.add_argument("--member-url", default=None, metavar="URL",
+                    help="--role decode: the URL the router lists this decoder at (default http://HOST:PORT+2)")
     ap.add_argument("--smoke", action="store_true",
                     help="start, send one chat completion through the front door, print it, stop; exit 0 on success")
     return ap
@@ -291,6 +301,22 @@ def serve(stack: Stack) -> int:
 _terminated = False
 
 
+def migrate_away(stack: Stack, say) -> object | None:
+    """--drain-mode migrate on SIGTERM: the router's other decoders take this one's running
+    requests (launch/drain.py); returns what tells Stack.stop that relayed streams still run
+    here (their clients stay on this front end), or None when nothing migrated."""
+    from sglang_disagg.launch.drain import DrainFailed, DrainTarget, drain, relaying
+
+    target = DrainTarget.local(stack.cfg.host, stack.cfg.port, stack.cfg.member)
+    try:
+        status = drain(target, stack.admin_key, router=stack.cfg.router_url,
+                       timeout_s=stack.cfg.drain_timeout_s, say=say)
+    except DrainFailed as e:
+        say(f"no migration ({e}); running requests finish here")
+        return None
+    return (lambda: relaying(target, stack.admin_key)) if status.get("migrated") else None
+
+
 def _interrupt(signum: int, frame: object) -> None:
     """SIGTERM drains (in-flight requests finish, within --drain-timeout), then every child
     is stopped; Ctrl-C stops at once."""
@@ -307,6 +333,10 @@ def main(argv: list[str] | None = None) -> int:
         return render(argv[1:])
     if argv[:1] == ["key"]:
         return keys.main(argv[1:])
+    if argv[:1] == ["drain"]:
+        from sglang_disagg.launch.drain import main as drain
+
+        return drain(argv[1:])
     try:
         cfg, do_smoke, dry_run = parse_run(argv)
         if dry_run:
@@ -348,9 +378,14 @@ def main(argv: list[str] | None = None) -> int:
         say("stopping")
         return 1 if do_smoke else 0 if _terminated else 130
     finally:
+        relays, t0 = None, time.monotonic()
+        if _terminated and cfg.drain_mode is DrainMode.MIGRATE:
+            relays = migrate_away(stack, say)
+        left = max(0.0, cfg.drain_timeout_s - (time.monotonic() - t0))  # --drain-timeout bounds both
         if _terminated:
-            say(f"draining in-flight requests (at most {cfg.drain_timeout_s:.0f}s), then stopping")
-        stack.stop(drain_s=cfg.drain_timeout_s if _terminated else 0.0)
+            say(f"draining in-flight requests (at most {left:.0f}s"
+                + (", and relayed streams until they end" if relays else "") + "), then stopping")
+        stack.stop(drain_s=left if _terminated else 0.0, hold=relays)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,13 @@ class UpstreamBackend(str, Enum):
     FAKE = "fake"  # decode only, no KV moves: for negative controls
 
 
+class DrainMode(str, Enum):
+    """What a decoder's launcher does with its running requests on SIGTERM."""
+
+    WAIT = "wait"        # they finish here, within --drain-timeout (then everything stops)
+    MIGRATE = "migrate"  # they move to the router's other decoders first (launch/drain.py)
+
+
 MESSENGER_PROVIDERS = ("tcp",)  # libfabric providers that run on this kind of machine (shm: refused)
 DEFAULT_BACKEND = {Mode.MESSENGER: "libfabric", Mode.UPSTREAM: UpstreamBackend.MOONCAKE.value}
 SAME_HOST_BACKEND = "shmem"  # the messenger's default when every server is on this machine (--role all, CPU)
@@ -143,6 +150,11 @@ class LaunchConfig:
     startup_timeout_s: float = 300.0
     pin_cores: bool = False  # --role all on CPU: pin prefill and decode servers to their own cores
     drain_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may take to finish
+    drain_mode: DrainMode = DrainMode.WAIT
+    # --role decode (messenger): the deployment's router, whose worker list this decoder joins at
+    # start and leaves when it drains (membership.py), and the URL that list names it by
+    router_url: str | None = None
+    member_url: str | None = None  # None: http://--host:its port
     transfer_timeout_s: float = 60.0
     link_recheck_s: float = 1.0  # messenger: first wait before a failing prefill server is tried again
     # router: seconds of upstream silence before smg puts an SSE comment (": ping") on a stream;
@@ -193,6 +205,7 @@ class LaunchConfig:
         else:
             self._check_messenger()
         self._check_gpus()
+        self._check_membership()
 
     def _check_gpus(self) -> None:
         if self.device != "cuda":
@@ -294,6 +307,28 @@ class LaunchConfig:
                 if p.attn_dp > 1 or p.dp > 1:
                     asked = f"{attn} {p.attn_dp}" if p.attn_dp > 1 else f"{dp} {p.dp}"
                     raise ValueError(f"{asked} on --device {self.device}: {dataparallel.NOT_ON_DEVICE}")
+
+    def _check_membership(self) -> None:
+        from sglang_disagg.launch.membership import normal
+
+        given = [f for f, v in (("--router", self.router_url), ("--member-url", self.member_url),
+                                ("--drain-mode migrate", self.drain_mode is DrainMode.MIGRATE)) if v]
+        if given and (self.role is not Role.DECODE or self.mode is not Mode.MESSENGER):
+            raise ValueError(f"{given[0]}: a messenger decoder's (--role decode), the member of a router's "
+                             f"worker list that migrates to the others")
+        if self.drain_mode is DrainMode.MIGRATE and not self.router_url:
+            raise ValueError("--drain-mode migrate needs --router URL: the decoders to migrate to are its others")
+        for flag, url in (("--router", self.router_url), ("--member-url", self.member_url)):
+            if url:
+                try:
+                    normal(url)
+                except ValueError as e:
+                    raise ValueError(f"{flag}: {e}") from None
+
+    @property
+    def member(self) -> str:
+        """This decoder's URL in the router's worker list."""
+        return self.member_url or f"http://{self.host}:{self.ports.decode}"
 
     @property
     def served_model_name(self) -> str:

@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from .checks import check_deployment
-from .config import LaunchConfig, Mode, Ports, Role
+from .config import DrainMode, LaunchConfig, Mode, Ports, Role
 from .parallel import Parallel, problem as parallel_problem
 from ..rails.choose import check_names
 
@@ -144,6 +144,11 @@ class Deployment:
                 kw["gpus"] = g.gpus or g.ranks_per_node
             if g.role is Role.DECODE and self.mode is Mode.MESSENGER:
                 kw["prefill_messengers"] = tuple(self.prefill_messenger(self.group(p)) for p in g.prefill)
+                if len(self.of(Role.DECODE)) > 1 and not self.router_tls_cert_path:
+                    # On SIGTERM its running requests migrate to the router's other decoders
+                    # (launch/drain.py). Not behind an HTTPS router: a decoder holds no trust for it.
+                    kw |= dict(router_url=f"http://{self.router_host}:{self.ports.front}",
+                               member_url=f"http://{g.host}:{self.ports.decode}", drain_mode=DrainMode.MIGRATE)
         return LaunchConfig(**(common | kw | override))
 
 

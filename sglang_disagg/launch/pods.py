@@ -51,6 +51,7 @@ def launcher_argv(cfg: LaunchConfig) -> list[str]:
                         ("--page-size", "page_size"), ("--transfer-timeout", "transfer_timeout_s"),
                         ("--link-recheck", "link_recheck_s"), ("--sse-keepalive-secs", "sse_keepalive_s"),
                         ("--startup-timeout", "startup_timeout_s"), ("--drain-timeout", "drain_timeout_s"),
+                        ("--drain-mode", "drain_mode"), ("--router", "router_url"), ("--member-url", "member_url"),
                         ("--secret-file", "secret_file"), ("--attention-backend", "attention_backend"),
                         ("--gpus", "gpus"), ("--shared-gpu-fraction", "shared_gpu_fraction"),
                         ("--tls-cert-path", "tls_cert_path"), ("--tls-key-path", "tls_key_path")):
@@ -148,6 +149,24 @@ def container(name: str, image: str, cfg: LaunchConfig, argv: list[str], resourc
     if cfg.tls_cert_path:
         c["volumeMounts"] = [{"name": TLS_VOLUME, "mountPath": TLS_DIR, "readOnly": True}]
     return c | (probes(https=bool(cfg.tls_cert_path)) if serving else {})
+
+
+def drain_on_stop(cfg: LaunchConfig) -> tuple[dict, int]:
+    """A migrating decoder's pod (--drain-mode migrate): a preStop hook that drains it before the
+    kubelet's SIGTERM (the launcher's own SIGTERM path then finds it drained), and the pod's
+    termination grace: the drain, the relayed streams that outlive it on this pod's front end
+    (drain.RELAYS_MAX_S) and the stop. Returns (the container's lifecycle, the grace seconds)."""
+    import shlex
+
+    from sglang_disagg.launch.drain import RELAYS_MAX_S
+    from sglang_disagg.launch.process import STOP_GRACE_S
+
+    argv = CONTAINER_LAUNCH + ["drain", "--port", str(cfg.port), "--router", cfg.router_url,
+                               "--member-url", cfg.member, "--timeout", f"{cfg.drain_timeout_s:g}"]
+    # exec hooks run no shell and expand no $(VAR): the pod's address comes from its environment
+    script = "exec " + " ".join(map(shlex.quote, argv)) + ' --host "$POD_IP"'
+    grace = int(cfg.drain_timeout_s + RELAYS_MAX_S + STOP_GRACE_S) + 10
+    return {"preStop": {"exec": {"command": ["sh", "-c", script]}}}, grace
 
 
 def with_tls_secret(cfg: LaunchConfig) -> tuple[LaunchConfig, list[dict]]:

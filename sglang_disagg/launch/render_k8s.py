@@ -5,7 +5,8 @@ rank 0 and serves), a Service per group in front of its leader (peers reach it b
 name), and the router as a Deployment + Service. Every process runs the launcher with flags
 computed from the LaunchConfig the launcher builds for ``--config FILE --node NAME``
 (``pods.launcher_argv``). Pods bind their own pod IP; containers, resources, probes and the
-secret: pods.py.
+secret: pods.py. With more than one decoder, each decoder's pod stop drains it first (a preStop
+hook running ``launch drain``, a termination grace that covers it: pods.drain_on_stop).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from . import pods
-from .config import LaunchConfig
+from .config import DrainMode, LaunchConfig
 from .deploy import ROUTER, Deployment
 from .pods import dist_port, launcher_argv, multinode_flags
 
@@ -42,6 +43,9 @@ def kubernetes(dep: Deployment, namespace: str = "default") -> list[dict]:
                                 base + multinode_flags(g, "$(LWS_LEADER_ADDRESS)", "0", dist), resources)
         labels = {"app.kubernetes.io/part-of": "sglang-disagg", "sglang-disagg/role": g.role.value}
         pod = {"tolerations": [pods.GPU_TOLERATION]} if dep.device == "cuda" else {}
+        if cfg.drain_mode is DrainMode.MIGRATE:  # a pod stop migrates its running requests first
+            leader["lifecycle"], grace = pods.drain_on_stop(cfg)
+            pod["terminationGracePeriodSeconds"] = grace
         # LWS v1 requires workerTemplate; a one-machine group is its leader alone, made from it.
         template = {"size": g.nodes, "workerTemplate": {"metadata": {"labels": labels},
                                                         "spec": pod | {"containers": [leader]}}}

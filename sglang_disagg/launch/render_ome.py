@@ -40,7 +40,7 @@ from __future__ import annotations
 import re
 
 from sglang_disagg.launch import pods
-from sglang_disagg.launch.config import LaunchConfig, Mode, Role
+from sglang_disagg.launch.config import DrainMode, LaunchConfig, Mode, Role
 from sglang_disagg.launch.deploy import ROUTER, Deployment, Group
 from sglang_disagg.launch.model_config import architecture
 from sglang_disagg.models import is_builtin
@@ -83,7 +83,10 @@ def _configs(dep: Deployment, name: str) -> dict[Role, LaunchConfig]:
     # directory, which OME mounts at the same path; the secret from the Secret, not a file
     return {
         Role.PREFILL: dep.launch_config(_shape(dep, Role.PREFILL).name, host="$(POD_IP)", secret_file=None),
+        # OME's decode replicas share one Service (the router's one URL for them all): a replica
+        # cannot be named in its worker list, so they drain by waiting (docs/deployment.md)
         Role.DECODE: dep.launch_config(_shape(dep, Role.DECODE).name, host="$(POD_IP)", secret_file=None,
+                                       router_url=None, member_url=None, drain_mode=DrainMode.WAIT,
                                        prefill_messengers=(f"{engine}:{p.bootstrap}",)
                                        if dep.mode is Mode.MESSENGER else ()),
         Role.ROUTER: dep.launch_config(ROUTER, host="$(POD_IP)", secret_file=None,

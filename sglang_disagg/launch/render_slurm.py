@@ -17,6 +17,7 @@ import re
 import shlex
 
 from ..backends.auth import SECRET_FILE_ENV
+from .config import DrainMode, Role
 from .deploy import ROUTER, Deployment
 from .pods import dist_port, launcher_argv, multinode_flags
 
@@ -108,5 +109,9 @@ def slurm(dep: Deployment, time_limit: str = "04:00:00") -> str:
                          f'bash -c {shlex.quote(_sh(argv, own))} &')
     lines.append(f'srun --nodes=1 --ntasks=1 -w "$ROUTER" '
                  f'{_sh(LAUNCH + launcher_argv(slurm_dep.launch_config(ROUTER)), own)} &')
-    lines += ["wait -n  # the first process to exit ends the job", "exit 1", ""]
+    if any(slurm_dep.launch_config(g.name).drain_mode is DrainMode.MIGRATE for g in slurm_dep.of(Role.DECODE)):
+        lines += ["# Draining one decoder before it stops: scancel --signal=TERM ${SLURM_JOB_ID}.<its step>; its",
+                  "# launcher (--drain-mode migrate) moves its running requests to the other decoders, then exits 0."]
+    lines += ["while wait -n; do :; done  # a process that fails ends the job (a drained decoder exits 0)",
+              "exit 1", ""]
     return "\n".join(lines)

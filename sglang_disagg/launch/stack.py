@@ -147,6 +147,8 @@ class Stack:
                 self._wait(self.servers, deadline, progress)
             if self.cfg.role is Role.DECODE and self.cfg.mode is Mode.MESSENGER:
                 self._wait_links(self.servers[0], min(deadline, time.monotonic() + LINK_WAIT_S), progress)
+                if self.cfg.router_url:
+                    self._join(progress)
             if self.router:
                 if not late:
                     self.router.start()
@@ -174,6 +176,18 @@ class Stack:
         except (RequestError, OSError) as e:
             raise StartupError(f"the router on {self.router.url} did not take worker {url}: {e}\n"
                                + log_tail(self.router.log_path)) from None
+
+    def _join(self, progress: Progress | None) -> None:
+        """--router: this decoder joins the deployment's worker list (membership.py)."""
+        from sglang_disagg.launch.membership import Membership, MembershipError
+
+        try:
+            added = Membership(self.cfg.router_url, self.admin_key).join(self.cfg.member, self.api_key)
+        except MembershipError as e:
+            raise StartupError(f"the router did not take this decoder ({self.cfg.member}): {e}") from None
+        if progress:
+            progress(f"{'joined' if added else 'already on'} the worker list of the router at {self.cfg.router_url} "
+                     f"as {self.cfg.member}")
 
     def _wait(self, procs: list[ManagedProcess], deadline: float, progress: Progress | None) -> None:
         pending = list(procs)
@@ -253,17 +267,25 @@ class Stack:
                 time.sleep(0.25)
         raise StartupError(f"router on {self.url} never routed a request: {last_err}\n" + log_tail(self.router.log_path))
 
-    def stop(self, drain_s: float = 0.0) -> None:
+    def stop(self, drain_s: float = 0.0, hold: Callable[[], bool] | None = None) -> None:
         """Stop every process. With `drain_s`, first let the servers that hold clients'
         requests (decoders, a colocated server) finish what is in flight, for at most
-        `drain_s` seconds, while the router and prefill servers still serve them."""
-        if drain_s > 0:
+        `drain_s` seconds, while the router and prefill servers still serve them; past that,
+        while `hold()` says streams migrated away are still relayed here, for at most
+        RELAYS_MAX_S more (launch/drain.py)."""
+        if drain_s > 0 or hold is not None:
+            from sglang_disagg.launch.drain import RELAYS_MAX_S
+
             front = [p for p in self.servers if p.spec.name in ("decode", "colocated")]
-            deadline = time.monotonic() + drain_s
+            start = time.monotonic()
+            end = start + drain_s
             for p in front:
                 p.drain()
             for p in front:
-                p.wait_exit(deadline - time.monotonic())
+                while not p.wait_exit(end - time.monotonic()):
+                    if hold is None or time.monotonic() > start + drain_s + RELAYS_MAX_S or not hold():
+                        break
+                    end = time.monotonic() + 1.0
         try:
             # All at once: one grace for the stack, not one per process.
             for p in reversed(self.processes):

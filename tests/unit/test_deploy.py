@@ -289,3 +289,41 @@ def test_a_named_secret_file_is_quoted_and_kept_and_a_bad_time_limit_refused():
     assert "--secret-file '/shared/$(id)/secret'" in text and "mktemp" not in text and "rm -f" not in text
     with pytest.raises(ValueError, match="--time"):
         slurm(load(EXAMPLE), "1:00:00\nrm -rf ~")
+
+
+def test_each_decoder_pod_drains_into_the_other_decoders_before_it_stops():
+    """Three decoders: each pod's stop runs `launch drain` (preStop) toward the router's other
+    decoders, with a termination grace covering the drain and the relayed streams; its launcher
+    migrates on SIGTERM too (--drain-mode migrate), naming itself as the router lists it."""
+    from sglang_disagg.launch.config import DrainMode
+    from sglang_disagg.launch.drain import RELAYS_MAX_S
+
+    dep = load(EXAMPLE)
+    docs = kubernetes(dep)
+    router_cfg, _ = parse(_k8s_args(next(d for d in docs if d["metadata"]["name"] == "router")["spec"]["template"]
+                                    ["spec"]["containers"][0], {"POD_IP": "10.9.9.9"}))
+    for g in dep.of(Role.DECODE):
+        spec = next(d for d in docs if d["metadata"]["name"] == g.name)["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]
+        container = spec["containers"][0]
+        cfg, _ = parse(_k8s_args(container, {"POD_IP": "10.9.9.9"}))
+        assert (cfg.drain_mode, cfg.router_url, cfg.member) == (DrainMode.MIGRATE, "http://router:30000",
+                                                                f"http://{g.name}:30002")
+        assert cfg.member in router_cfg.decode_urls  # the name the router's worker list knows it by
+        sh, flag, script = container["lifecycle"]["preStop"]["exec"]["command"]
+        argv = shlex.split(script.replace('"$POD_IP"', "10.9.9.9"))
+        assert (sh, flag, argv[:5]) == ("sh", "-c", ["exec", "python", "-m", "sglang_disagg.launch", "drain"])
+        got = dict(zip(argv[5::2], argv[6::2]))
+        assert got == {"--port": "30000", "--router": "http://router:30000", "--member-url": cfg.member,
+                       "--timeout": "30", "--host": "10.9.9.9"}
+        assert spec["terminationGracePeriodSeconds"] >= cfg.drain_timeout_s + RELAYS_MAX_S
+    prefill = next(d for d in docs if d["metadata"]["name"] == "prefill-0")["spec"]["leaderWorkerTemplate"]
+    assert "lifecycle" not in prefill["workerTemplate"]["spec"]["containers"][0]
+    doc = __import__("tomllib").loads(EXAMPLE.read_text())
+    doc["decode"] = doc["decode"][:1]  # one decoder: nowhere to migrate to, it drains by waiting
+    one = parse_doc(doc)
+    assert one.launch_config("decode-0").drain_mode is DrainMode.WAIT
+    lws = next(d for d in kubernetes(one) if d["metadata"]["name"] == "decode-0")["spec"]["leaderWorkerTemplate"]
+    assert "lifecycle" not in lws["workerTemplate"]["spec"]["containers"][0]
+    script = slurm(dep)
+    assert "scancel --signal=TERM" in script and "while wait -n; do :; done" in script
+    assert '--drain-mode migrate --router http://"${ROUTER}":30000' in script
