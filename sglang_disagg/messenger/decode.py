@@ -46,6 +46,7 @@ from .inputs import Route
 from .links import Links, LinkState
 from ..backends import auth
 from .migration.away import Outgoing
+from .migration.carry import migration_refused
 from .migration.room import Source, SourceError
 from .metrics import Cause, scheduler_state
 from ..backends import PeerLostError
@@ -86,8 +87,12 @@ class DecodeMessenger(RequestEndings):
     # ----- intake -------------------------------------------------------------------
     def take(self, req: Any) -> bool:
         n = len(req.origin_input_ids) - 1
+        if req.finished() or req.to_finish is not None:
+            return False  # rejected at SGLang's intake (e.g. too long here): its own path ends it, reason kept
         try:
             source = Source.of(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room, self.secret)
+            if source is not None:
+                migration_refused(self.sched.server_args, req)
         except SourceError as e:
             e_ = Entry(next(self._seq), req, n, Phase.MEMORY, time.monotonic())
             self.entries[e_.seq] = e_
@@ -262,8 +267,13 @@ class DecodeMessenger(RequestEndings):
             if self.ranks.is_leader:
                 self.node.stats_file.publish(self.snapshot)
             return
-        for e in [e for e in self.entries.values() if e.phase is Phase.MEMORY]:
+        # Migrations first: each is a running stream someone is reading, and one does not wait
+        for e in sorted((e for e in self.entries.values() if e.phase is Phase.MEMORY), key=lambda e: e.source is None):
             if not self._allocate(e):
+                if e.source is not None:  # a migration does not queue for room: it goes on where it runs
+                    self._finish_failed(e, "no free KV pages on this decoder for a migrated request",
+                                        Cause.INTAKE, HTTPStatus.SERVICE_UNAVAILABLE)
+                    continue
                 break  # first come, first served
             e.phase, e.since = Phase.ROUTE, time.monotonic()
             if e.start_page == len(e.pages):  # the whole prompt is cached here: no prefill

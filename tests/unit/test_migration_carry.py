@@ -92,3 +92,33 @@ def test_the_new_decoders_finish_reason_is_reported_as_one_decoder_would(finish,
     kind, detail = want
     assert got["type"] == kind
     assert got.get("length", got.get("matched", got.get("message"))) == detail, got
+
+
+def test_a_sampled_request_moves_only_under_deterministic_inference_with_its_distribution_and_seed():
+    req = _req(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, sampling_seed=1234)
+    assert any("--enable-deterministic-inference" in r for r in refusals(req))
+    assert refusals(req, deterministic=True) == []
+    sp = Carried.of(req, deterministic=True).resume()["sampling_params"]
+    assert (sp["temperature"], sp["top_p"], sp["top_k"], sp["min_p"], sp["sampling_seed"]) == (0.7, 0.9, 40, 0.05, 1234)
+    SamplingParams(**sp).verify(vocab_size=32000)
+    # No seed: none is sent, and B draws from SGLang's default seed (42) at the same positions, as A did.
+    unseeded = Carried.of(_req(temperature=0.7), deterministic=True).resume()["sampling_params"]
+    assert "sampling_seed" not in unseeded and unseeded["temperature"] == 0.7
+    greedy = Carried.of(_req(), deterministic=True).resume()["sampling_params"]
+    assert greedy["temperature"] == 0.0 and "top_k" not in greedy
+
+
+def test_the_new_decoder_refuses_what_it_could_not_continue_exactly():
+    from types import SimpleNamespace
+
+    from sglang_disagg.messenger.migration.carry import migration_refused
+    from sglang_disagg.messenger.migration.room import SourceError
+
+    plain = SimpleNamespace(enable_deterministic_inference=False, speculative_algorithm=None)
+    migration_refused(plain, _req())  # greedy: any decoder
+    with pytest.raises(SourceError, match="--enable-deterministic-inference"):
+        migration_refused(plain, _req(temperature=0.7, sampling_seed=3))
+    migration_refused(SimpleNamespace(enable_deterministic_inference=True, speculative_algorithm=None),
+                      _req(temperature=0.7, sampling_seed=3))
+    with pytest.raises(SourceError, match="speculative"):
+        migration_refused(SimpleNamespace(enable_deterministic_inference=True, speculative_algorithm="EAGLE"), _req())

@@ -42,6 +42,7 @@ from .source import Held, HeldState, MigrationRefused, MigrationSource
 logger = logging.getLogger("sglang_disagg.migration")
 MAX_PEERS = 64      # decoders that said Hello to this one as migration targets (bounded table)
 CUT_ATTR = "sglang_disagg_migrated"
+TRIED_ATTR = "sglang_disagg_migration_tried"  # the targets a request failed to move to (a drain tries the others)
 
 
 @dataclass(slots=True, eq=False)
@@ -57,6 +58,7 @@ class Away:
     handed: float = 0.0      # when A's pages were freed (every write completed)
     cut_at: float = field(default_factory=time.monotonic)
     aborted: bool = False
+    pending: dict | None = None  # B's finish, seen before A's writes were all complete
 
 
 class Outgoing:
@@ -65,12 +67,21 @@ class Outgoing:
         self.source = MigrationSource(self.node.view.geometry, messenger.ranks.size)
         self.hook = TestHook.from_env()
         self.secret = messenger.secret  # loaded once, by the decode messenger
-        self.api_key = getattr(self.sched.server_args, "api_key", None)
+        args = self.sched.server_args
+        self.api_key = getattr(args, "api_key", None)
+        # what decides which requests can move (carry.py): a sampled one only under deterministic
+        # inference; nothing from a speculative decoder (its draft state is not carried yet)
+        self.deterministic = bool(getattr(args, "enable_deterministic_inference", False))
+        self.speculative = bool(getattr(args, "speculative_algorithm", None))
         self.peers: dict[str, DecoderLink] = {}
         self.inbox: collections.deque[tuple[Any, wire.Message]] = collections.deque()
         self.cutting: list[Away] = []
         self.away: dict[str, Away] = {}           # handle -> request held or relayed
         self.recent: collections.deque[dict] = collections.deque(maxlen=64)  # migration traces
+        self.failures: collections.deque[dict] = collections.deque(maxlen=8)  # the last ones, for /drain
+        # Requests given back to SGLang's queue by a failed migration: between the queue and the
+        # running batch (their prefill from the tree) they are in neither, and still here.
+        self.returned: list[Any] = []
         self.stats = {"migrations_started": 0, "migrations_handed_over": 0, "migrations_failed": 0,
                       "migrations_refused": 0, "migration_bytes": 0, "relays_active": 0}
         self.metrics = MigrationMetrics(self.node.metrics.registry, self.stats)
@@ -127,13 +138,17 @@ class Outgoing:
 
     def _publish(self) -> None:
         batch = self.sched.running_batch
-        running = len(batch.reqs) + len(self.sched.waiting_queue)
+        in_batch = {id(r) for r in batch.reqs}
+        seen = in_batch | {id(r) for r in self.sched.waiting_queue}
+        self.returned = [r for r in self.returned if not r.finished() and not getattr(r, CUT_ATTR, False)
+                         and id(r) not in in_batch]  # back in the batch: counted there from now on
+        running = len(seen) + sum(1 for r in self.returned if id(r) not in seen)
         relaying = sum(1 for a in self.away.values() if a.handed)
         since = {k: self.stats[k] - self.drain_base.get(k, 0) for k in self.stats}
         self.door.publish({"draining": True, "to": list(self.draining), "running": running,
                            "migrating": len(self.away) - relaying + len(self.cutting), "relaying": relaying,
                            "migrated": since["migrations_handed_over"], "failed": since["migrations_failed"],
-                           "refused": since["migrations_refused"],
+                           "refused": since["migrations_refused"], "last_failures": list(self.failures),
                            "done": running == 0 and len(self.away) == relaying and not self.cutting})
 
     def abort(self, recv_req: Any) -> None:
@@ -196,19 +211,20 @@ class Outgoing:
         inflight = 1 if getattr(self.sched, "enable_overlap", False) else 0
         due = [(r, hit[1]) for r in batch.reqs if not getattr(r, CUT_ATTR, False) and not r.finished()
                and self.hook is not None and (hit := self.hook.after(r.rid)) is not None
-               and len(r.output_ids) >= hit[0] - inflight]
+               and len(r.output_ids) >= hit[0] - inflight and hit[1] not in getattr(r, TRIED_ATTR, ())]
         if self.draining:
             room = MAX_IN_FLIGHT - sum(1 for a in self.away.values() if not a.handed) - len(self.cutting)
             for r in batch.reqs:
                 if room <= len(due):
                     break
-                if not getattr(r, CUT_ATTR, False) and not r.finished() and r.output_ids and \
+                left = [t for t in self.draining if t not in getattr(r, TRIED_ATTR, ())]
+                if left and not getattr(r, CUT_ATTR, False) and not r.finished() and r.output_ids and \
                         all(r is not d for d, _ in due):
-                    due.append((r, min(self.draining, key=lambda t: self.sent.get(t, 0))))
+                    due.append((r, min(left, key=lambda t: self.sent.get(t, 0))))
                     self.sent[due[-1][1]] = self.sent.get(due[-1][1], 0) + 1
         for req, to in due:
             setattr(req, CUT_ATTR, True)
-            why = refusals(req)
+            why = refusals(req, self.speculative, self.deterministic)
             if why or self.m.ranks.size != 1:
                 self.stats["migrations_refused"] += 1
                 self.metrics.outcome("refused")
@@ -230,7 +246,7 @@ class Outgoing:
             if req.finished():  # it ended in the batch that was in flight: SGLang finished it
                 continue
             try:
-                a.carried = Carried.of(req)
+                a.carried = Carried.of(req, self.speculative, self.deterministic)
                 n = a.carried.kv_tokens
                 row = self.sched.req_to_token_pool.req_to_token[req.kv.req_pool_idx][:n]
                 self.source.hold(str(a.source.handle), page_ids(row.tolist(), self.node.page_size), n)
@@ -274,6 +290,10 @@ class Outgoing:
             a.relay.close()
             self.stats["relays_active"] -= 1
         logger.warning("migration: %s stays on this decoder: %s", a.req.rid, reason)
+        self.failures.append({"rid": str(a.req.rid)[:128], "to": a.to, "reason": reason[:300]})
+        # a drain may try it on another target (never the same twice: TRIED_ATTR)
+        setattr(a.req, TRIED_ATTR, (*getattr(a.req, TRIED_ATTR, ()), a.to))
+        setattr(a.req, CUT_ATTR, False)
         self.away.pop(str(a.source.handle), None)
         self.source.drop(str(a.source.handle))  # held with no write posted (posted ones settled first)
         if a.aborted:
@@ -283,6 +303,7 @@ class Outgoing:
         release(self.sched, a.req, checkpoint=True)  # the tree keeps its KV: re-running it here is cheap
         a.req.reset_for_retract()
         self.sched.waiting_queue.append(a.req)
+        self.returned.append(a.req)  # counted as running here until it runs or moves again
 
     def _unsent(self, a: Away) -> None:
         if self.sent.get(a.to):
@@ -311,6 +332,12 @@ class Outgoing:
                 continue
             if error or a.aborted:
                 finish = {"type": "abort", "message": "aborted" if a.aborted else error}
+            if finish and not a.handed:
+                # B ended it before A saw every write complete: A's pages are still lent to the
+                # writes in flight, so the request ends here once they settled (_handed)
+                a.pending, finish = finish, None
+            elif a.handed and a.pending and not finish:
+                finish, a.pending = a.pending, None
             if new or finish:
                 out.append(a.req)
             if finish:

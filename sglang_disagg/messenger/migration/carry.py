@@ -8,7 +8,13 @@ outputs as its input ids, the KV of all but the last from A (a MigrationOrder: n
 is recomputed), and runs the last (outputs[k-1]) as its first step: the prefill
 hand-off's convention, so B's decode path is the one prefill-fed requests take. With
 greedy sampling and a deterministic model B's continuation is exactly A's (the KV is A's,
-bit for bit).
+bit for bit). A sampled request continues its sequence exactly when both decoders run
+``--enable-deterministic-inference``: SGLang then draws each token from the request's seed
+(``sampling_seed``, 42 when none) and the token's position, which B reproduces (its first
+step samples at position prompt + k - 1, as A's next step would have); the temperature,
+top-p/top-k/min-p and the seed are carried. Without it SGLang samples from one generator
+shared by the batch, which no other decoder can continue: such a request stays on A, and B
+refuses a sampled migration unless it runs deterministic inference itself (decode.py).
 
 Because B sees A's outputs as input, what SGLang derives from a request's OUTPUT tokens
 would restart at zero on B. Carried by arithmetic: the output budget (max_new_tokens - k),
@@ -16,8 +22,7 @@ the minimum (min_new_tokens - k), usage (A's relay adds k completion tokens and 
 A's prompt length). Not carried yet, each refused with its reason (REFUSALS): penalties
 over output tokens, a grammar's state (it must be replayed over the outputs), stop
 strings (one may straddle the cut), logprobs (B would report them over the wrong span),
-sampling other than greedy (a seeded request continues its sequence only when its
-position is carried), speculative decoding (the draft's KV and hidden state), n > 1,
+sampling without deterministic inference, speculative decoding (the draft's KV and hidden state), n > 1,
 LoRA, custom logit processors, hidden-state returns.
 """
 
@@ -30,8 +35,6 @@ from .source import MigrationRefused
 
 # (attribute path on the Req, predicate true when the request cannot migrate, reason)
 REFUSALS: tuple[tuple[str, Any, str], ...] = (
-    # SGLang normalizes temperature 0 to top_k 1: greedy is top_k == 1.
-    ("sampling_params.top_k", lambda v: v != 1, "sampling other than greedy (the seed's position is not carried yet)"),
     ("sampling_params.frequency_penalty", lambda v: bool(v), "a frequency penalty counts output tokens"),
     ("sampling_params.presence_penalty", lambda v: bool(v), "a presence penalty counts output tokens"),
     ("sampling_params.repetition_penalty", lambda v: v not in (None, 1.0), "a repetition penalty counts output tokens"),
@@ -58,9 +61,21 @@ def _get(obj: Any, path: str) -> Any:
     return obj
 
 
-def refusals(req: Any, speculative: bool = False) -> list[str]:
-    """Why `req` (an SGLang Req) cannot migrate now; empty when it can."""
+SAMPLED_NEEDS = ("sampling other than greedy needs --enable-deterministic-inference (without it SGLang samples "
+                 "from a generator the batch shares, which no other decoder can continue)")
+
+
+def sampled(req: Any) -> bool:
+    """Whether SGLang samples `req` (it normalizes temperature 0 to top_k 1: greedy is top_k == 1)."""
+    return _get(req, "sampling_params.top_k") != 1
+
+
+def refusals(req: Any, speculative: bool = False, deterministic: bool = False) -> list[str]:
+    """Why `req` (an SGLang Req) cannot migrate now from a decoder running deterministic inference
+    or not; empty when it can."""
     out = [reason for path, bad, reason in REFUSALS if bad(_get(req, path))]
+    if sampled(req) and not deterministic:
+        out.append(SAMPLED_NEEDS)
     if speculative:
         out.append("speculative decoding (the draft's KV and hidden state are not carried yet)")
     if not req.output_ids:
@@ -68,6 +83,18 @@ def refusals(req: Any, speculative: bool = False) -> list[str]:
     if req.finished():
         out.append("already finished")
     return list(dict.fromkeys(out))
+
+
+def migration_refused(server_args: Any, req: Any) -> None:
+    """(decoder B, at intake) A migrated request this decoder cannot continue exactly: SourceError
+    with the reason (the client's request then stays on A, which continues it)."""
+    from .room import SourceError
+
+    if getattr(server_args, "speculative_algorithm", None):
+        raise SourceError("this decoder runs speculative decoding: it takes no migrated request yet (the "
+                          "draft model holds no KV for it)")
+    if sampled(req) and not getattr(server_args, "enable_deterministic_inference", False):
+        raise SourceError("a sampled request migrates only to a decoder with --enable-deterministic-inference")
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +111,12 @@ class Carried:
     skip_special_tokens: bool
     spaces_between_special_tokens: bool
     no_stop_trim: bool
+    # sampling (deterministic inference only; greedy: top_k 1 and the rest unused)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 1
+    min_p: float = 0.0
+    sampling_seed: int | None = None
 
     def __post_init__(self) -> None:
         if not self.outputs:
@@ -92,9 +125,9 @@ class Carried:
             raise ValueError(f"a request with {len(self.outputs)} of {self.max_new_tokens} output tokens is done")
 
     @classmethod
-    def of(cls, req: Any, speculative: bool = False) -> Carried:
+    def of(cls, req: Any, speculative: bool = False, deterministic: bool = False) -> Carried:
         """The state of SGLang Req `req` at the cut; MigrationRefused naming every reason it cannot move."""
-        why = refusals(req, speculative)
+        why = refusals(req, speculative, deterministic)
         if why:
             raise MigrationRefused(f"request {req.rid} cannot migrate: " + "; ".join(why))
         sp = req.sampling_params
@@ -103,7 +136,8 @@ class Carried:
                    stop_token_ids=tuple(sorted(sp.stop_token_ids or ())), ignore_eos=bool(sp.ignore_eos),
                    skip_special_tokens=bool(sp.skip_special_tokens),
                    spaces_between_special_tokens=bool(sp.spaces_between_special_tokens),
-                   no_stop_trim=bool(sp.no_stop_trim))
+                   no_stop_trim=bool(sp.no_stop_trim), temperature=float(sp.temperature), top_p=float(sp.top_p),
+                   top_k=int(sp.top_k), min_p=float(sp.min_p or 0.0), sampling_seed=sp.sampling_seed)
 
     @property
     def kv_tokens(self) -> int:
@@ -120,4 +154,8 @@ class Carried:
                   "no_stop_trim": self.no_stop_trim}
         if self.stop_token_ids:
             params["stop_token_ids"] = list(self.stop_token_ids)
+        if self.top_k != 1:  # sampled: the same distribution and seed, at the same positions
+            params |= {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p}
+            if self.sampling_seed is not None:
+                params["sampling_seed"] = self.sampling_seed
         return {"input_ids": [*self.prompt, *self.outputs], "sampling_params": params}

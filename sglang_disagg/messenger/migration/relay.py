@@ -74,6 +74,10 @@ class Relay:
     def _run(self) -> None:
         try:
             self._stream()
+        except Refused as e:
+            with self._lock:
+                if not self._closed and self.finish is None and not self.error:
+                    self.error = f"the decoder the request moved to ({self.url}) refused it: {e}"
         except Exception as e:  # noqa: BLE001 - the relay's end, whatever it was, is the request's
             with self._lock:
                 if not self._closed and self.finish is None and not self.error:
@@ -115,6 +119,10 @@ class Relay:
     def _event(self, out: dict) -> None:
         if "error" in out:
             raise RuntimeError(str(out["error"])[:500])
+        finish = (out.get("meta_info") or {}).get("finish_reason")
+        if isinstance(finish, dict) and finish.get("type") == "abort":
+            # B refused or dropped it (e.g. SGLang's input check): a failure, not an ending
+            raise Refused(str(finish.get("message"))[:400])
         ids = [int(t) for t in out.get("output_ids") or ()]
         meta = out.get("meta_info") or {}
         with self._lock:
@@ -127,6 +135,10 @@ class Relay:
             if meta.get("finish_reason"):
                 self.finish = dict(meta["finish_reason"])
         self.wake()
+
+
+class Refused(RuntimeError):
+    """B aborted the request (its finish reason says abort): a failed migration, not an ending."""
 
 
 def finish_reason(finish: dict, max_new_tokens: int):
