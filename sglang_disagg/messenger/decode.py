@@ -90,9 +90,9 @@ class DecodeMessenger(RequestEndings):
         if req.finished() or req.to_finish is not None:
             return False  # rejected at SGLang's intake (e.g. too long here): its own path ends it, reason kept
         try:
-            source = Source.of(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room, self.secret)
+            source = Source.of(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room, self.secret, req.rid)
             if source is not None:
-                migration_refused(self.sched.server_args, req)
+                migration_refused(self.sched.server_args, req, source.replay)
         except SourceError as e:
             e_ = Entry(next(self._seq), req, n, Phase.MEMORY, time.monotonic())
             self.entries[e_.seq] = e_

@@ -28,7 +28,7 @@ from sglang_disagg.launch.client import RequestError, generate_ids, greedy, post
 from sglang_disagg.launch.config import Ports
 from sglang_disagg.messenger.planner import pages_for
 
-from .conftest import COMMON_ARGS, OUTPUT_TOKENS, next_port
+from .conftest import COMMON_ARGS, JSON_SCHEMA, OUTPUT_TOKENS, next_port, structured_refs
 from .faultlib import FAULT_DEADLINE_S, scrape, signal_group, value, wait_for, wait_released
 
 pytestmark = pytest.mark.e2e
@@ -121,6 +121,23 @@ def test_a_request_cut_after_5_and_after_50_tokens_continues_on_the_other_decode
               f"{trace['bytes']} bytes ({trace['writes']} writes), hand-over {trace['hand_over_s'] * 1000:.1f} ms")
     assert value(_m(b), "sglang_disagg_requests_total", outcome="carried") == carried_b + 2
     assert _migrations(a, "failed") == 0 and value(_m(a), "sglang_disagg_migration_relays") == 0
+    _free(a, b)
+
+
+def test_a_json_schema_request_cut_after_5_tokens_ends_as_on_one_colocated_server(decoders, references):
+    """B compiles the schema and replays A's 5 outputs through it before its first step: the
+    constrained output is the colocated one, token for token."""
+    a, b = decoders
+    prompts, _ = references("tiny-llama")
+    want = structured_refs["tiny-llama"]
+    handed = _migrations(a, "handed_over")
+    got = post_json(f"{_decoder(a).url}/generate", {
+        "input_ids": prompts[-1], "rid": "migrate-after-5-json",
+        "sampling_params": {"max_new_tokens": 48, "temperature": 0.0, "json_schema": json.dumps(JSON_SCHEMA)}}, 120)
+    assert len(want["output_ids"]) > 5, "the reference outlives the cut"
+    assert got["output_ids"] == want["output_ids"] and got["text"] == want["text"], (got["text"], want["text"])
+    assert got["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"]
+    assert _migrations(a, "handed_over") == handed + 1, "it moved (a refusal would have kept it on A)"
     _free(a, b)
 
 

@@ -49,8 +49,7 @@ def test_the_minimum_does_not_go_below_zero_and_a_spent_budget_is_not_a_migratio
     ({"presence_penalty": 0.5}, "presence penalty"),
     ({"repetition_penalty": 1.2}, "repetition penalty"),
     ({"stop": ["end"]}, "stop string"),
-    ({"json_schema": '{"type": "object"}'}, "grammar"),
-    ({"regex": "[a-z]+"}, "grammar"),
+    ({"structural_tag": '{"structures": [], "triggers": []}'}, "structural tag"),
     ({"n": 2}, "n > 1"),
     ({"logit_bias": {"5": 1.0}}, "logit bias"),
     ({"return_logprob": True}, "logprobs"),
@@ -122,3 +121,36 @@ def test_the_new_decoder_refuses_what_it_could_not_continue_exactly():
                       _req(temperature=0.7, sampling_seed=3))
     with pytest.raises(SourceError, match="speculative"):
         migration_refused(SimpleNamespace(enable_deterministic_inference=True, speculative_algorithm="EAGLE"), _req())
+
+
+def test_a_grammar_moves_and_the_new_decoder_replays_the_outputs_through_it_first():
+    from types import SimpleNamespace
+
+    from sglang_disagg.messenger.migration.carry import migration_refused
+    from sglang_disagg.messenger.migration.room import SourceError
+
+    schema = '{"type": "object"}'
+    c = Carried.of(_req(json_schema=schema))
+    assert c.grammar and c.resume()["sampling_params"]["json_schema"] == schema
+
+    class Grammar:  # records what it accepts; refuses token 999 as a grammar backend would
+        def __init__(self):
+            self.accepted = []
+
+        def accept_token(self, t):
+            if t == 999:
+                raise ValueError("Tokens not accepted: 999")
+            self.accepted.append(t)
+
+    args = SimpleNamespace(enable_deterministic_inference=False, speculative_algorithm=None)
+    b_req = _req()  # B's request: prompt + A's outputs as input
+    b_req.origin_input_ids = array("q", PROMPT + [101, 102, 103])
+    b_req.grammar = Grammar()
+    migration_refused(args, b_req, replay=3)
+    assert b_req.grammar.accepted == [101, 102, 103]
+    b_req.grammar, b_req.origin_input_ids[-1] = Grammar(), 999
+    with pytest.raises(SourceError, match="does not accept its outputs"):
+        migration_refused(args, b_req, replay=3)
+    b_req.grammar = None
+    with pytest.raises(SourceError, match="no grammar"):
+        migration_refused(args, b_req, replay=3)

@@ -1,5 +1,6 @@
 """The migration source in a request's bootstrap fields (migration/room.py): a decoder believes
-only a source whose room carries the deployment secret's MAC over host, port and handle, so a
+only a source whose room carries the deployment secret's MAC over host, port, handle and
+the grammar replay count (in the request id), so a
 client holding the API key cannot point a decoder's messenger anywhere; fields that name no
 source (SGLang fills a room on its own) are no migration."""
 
@@ -16,8 +17,8 @@ SECRET = secrets.token_bytes(32)
 
 def test_a_source_survives_the_trip_through_the_bootstrap_fields():
     s = Source.new("127.0.0.1:43715")
-    f = s.fields(SECRET)
-    assert Source.of(f["bootstrap_host"], f["bootstrap_port"], f["bootstrap_room"], SECRET) == s
+    f = s.fields(SECRET, "r")
+    assert Source.of(f["bootstrap_host"], f["bootstrap_port"], f["bootstrap_room"], SECRET, f["rid"]) == s
     assert s.address == "127.0.0.1:43715" and 0 <= s.handle < 1 << 31
 
 
@@ -52,3 +53,15 @@ def test_a_forged_or_altered_source_is_refused(change):
 def test_malformed_fields_are_refused_with_the_reason(host, port, room, why):
     with pytest.raises(SourceError, match=why):
         Source.of(host, port, room, SECRET)
+
+
+def test_a_grammars_replay_count_travels_in_the_request_id_under_the_mac():
+    s = Source.new("10.0.0.2:5000", replay=7)
+    f = s.fields(SECRET, "req-1")
+    assert f["rid"] == f"req-1.m{s.handle}g7"
+    assert Source.of(f["bootstrap_host"], f["bootstrap_port"], f["bootstrap_room"], SECRET, f["rid"]) == s
+    for rid in (f"req-1.m{s.handle}g8", f"req-1.m{s.handle}", "req-1"):  # altered or dropped: refused
+        with pytest.raises(SourceError, match="not authenticated"):
+            Source.of(f["bootstrap_host"], f["bootstrap_port"], f["bootstrap_room"], SECRET, rid)
+    plain = Source.new("10.0.0.2:5000")
+    assert plain.fields(SECRET, "r")["rid"] == f"r.m{plain.handle}"

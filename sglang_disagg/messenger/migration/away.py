@@ -20,6 +20,7 @@ processed: then its KV holds every token but the last sampled one, with or witho
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -247,13 +248,15 @@ class Outgoing:
                 continue
             try:
                 a.carried = Carried.of(req, self.speculative, self.deterministic)
+                if a.carried.grammar:  # B's grammar accepts every output first (room.py: replay)
+                    a.source = dataclasses.replace(a.source, replay=len(a.carried.outputs))
                 n = a.carried.kv_tokens
                 row = self.sched.req_to_token_pool.req_to_token[req.kv.req_pool_idx][:n]
                 self.source.hold(str(a.source.handle), page_ids(row.tolist(), self.node.page_size), n)
             except Exception as e:  # noqa: BLE001 - whatever it was, the request continues here
                 self._back(a, f"{type(e).__name__}: {e}")
                 continue
-            body = {**a.carried.resume(), **a.source.fields(self.secret), "rid": f"{req.rid}.m{a.source.handle}"}
+            body = {**a.carried.resume(), **a.source.fields(self.secret, req.rid)}
             a.relay = Relay(a.to, body, self.api_key, self.node.wakeup.set)
             self.away[str(a.source.handle)] = a
             self.stats["migrations_started"] += 1

@@ -19,9 +19,11 @@ refuses a sampled migration unless it runs deterministic inference itself (decod
 Because B sees A's outputs as input, what SGLang derives from a request's OUTPUT tokens
 would restart at zero on B. Carried by arithmetic: the output budget (max_new_tokens - k),
 the minimum (min_new_tokens - k), usage (A's relay adds k completion tokens and reports
-A's prompt length). Not carried yet, each refused with its reason (REFUSALS): penalties
-over output tokens, a grammar's state (it must be replayed over the outputs), stop
-strings (one may straddle the cut), logprobs (B would report them over the wrong span),
+A's prompt length); a grammar (JSON schema, regex, EBNF) by replay: B compiles it and
+advances it over the k outputs before its first step (room.py carries k, under the MAC),
+so it masks the next token as A's would have. Not carried yet, each refused with its
+reason (REFUSALS): penalties over output tokens, a structural tag, stop strings (one may
+straddle the cut), logprobs (B would report them over the wrong span),
 sampling without deterministic inference, speculative decoding (the draft's KV and hidden state), n > 1,
 LoRA, custom logit processors, hidden-state returns.
 """
@@ -40,10 +42,7 @@ REFUSALS: tuple[tuple[str, Any, str], ...] = (
     ("sampling_params.repetition_penalty", lambda v: v not in (None, 1.0), "a repetition penalty counts output tokens"),
     ("sampling_params.stop_strs", lambda v: bool(v), "a stop string may straddle the cut"),
     ("sampling_params.stop_regex_strs", lambda v: bool(v), "a stop regex may straddle the cut"),
-    ("sampling_params.json_schema", lambda v: v is not None, "a grammar's state is not replayed on B yet"),
-    ("sampling_params.regex", lambda v: v is not None, "a grammar's state is not replayed on B yet"),
-    ("sampling_params.ebnf", lambda v: v is not None, "a grammar's state is not replayed on B yet"),
-    ("sampling_params.structural_tag", lambda v: v is not None, "a grammar's state is not replayed on B yet"),
+    ("sampling_params.structural_tag", lambda v: v is not None, "a structural tag's state is not replayed on B yet"),
     ("sampling_params.n", lambda v: v not in (None, 1), "n > 1"),
     ("sampling_params.logit_bias", lambda v: bool(v), "a logit bias is not carried yet"),
     ("sampling_params.custom_params", lambda v: bool(v), "custom sampling parameters are not carried"),
@@ -51,7 +50,6 @@ REFUSALS: tuple[tuple[str, Any, str], ...] = (
     ("lora_id", lambda v: v is not None, "LoRA adapters are not carried"),
     ("custom_logit_processor", lambda v: v is not None, "custom logit processors are not carried"),
     ("return_hidden_states", bool, "hidden-state returns are not carried"),
-    ("grammar", lambda v: v is not None, "a grammar's state is not replayed on B yet"),
 )
 
 
@@ -85,10 +83,21 @@ def refusals(req: Any, speculative: bool = False, deterministic: bool = False) -
     return list(dict.fromkeys(out))
 
 
-def migration_refused(server_args: Any, req: Any) -> None:
+def migration_refused(server_args: Any, req: Any, replay: int = 0) -> None:
     """(decoder B, at intake) A migrated request this decoder cannot continue exactly: SourceError
-    with the reason (the client's request then stays on A, which continues it)."""
+    with the reason (the client's request then stays on A, which continues it). With `replay`,
+    its grammar accepts the last `replay` input tokens (A's outputs) here, or it is refused."""
     from .room import SourceError
+
+    if replay:
+        grammar = getattr(req, "grammar", None)
+        if grammar is None or replay >= len(req.origin_input_ids):
+            raise SourceError(f"a migrated request with {replay} outputs to replay has no grammar here")
+        try:
+            for token in list(req.origin_input_ids[-replay:]):
+                grammar.accept_token(int(token))
+        except Exception as e:  # noqa: BLE001 - any grammar backend's refusal, with its reason
+            raise SourceError(f"the request's grammar does not accept its outputs here: {str(e)[:200]}") from None
 
     if getattr(server_args, "speculative_algorithm", None):
         raise SourceError("this decoder runs speculative decoding: it takes no migrated request yet (the "
@@ -117,6 +126,14 @@ class Carried:
     top_k: int = 1
     min_p: float = 0.0
     sampling_seed: int | None = None
+    # a grammar (at most one of them, as SGLang takes): B replays the outputs through it first
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+
+    @property
+    def grammar(self) -> bool:
+        return any(g is not None for g in (self.json_schema, self.regex, self.ebnf))
 
     def __post_init__(self) -> None:
         if not self.outputs:
@@ -137,7 +154,8 @@ class Carried:
                    skip_special_tokens=bool(sp.skip_special_tokens),
                    spaces_between_special_tokens=bool(sp.spaces_between_special_tokens),
                    no_stop_trim=bool(sp.no_stop_trim), temperature=float(sp.temperature), top_p=float(sp.top_p),
-                   top_k=int(sp.top_k), min_p=float(sp.min_p or 0.0), sampling_seed=sp.sampling_seed)
+                   top_k=int(sp.top_k), min_p=float(sp.min_p or 0.0), sampling_seed=sp.sampling_seed,
+                   json_schema=sp.json_schema, regex=sp.regex, ebnf=sp.ebnf)
 
     @property
     def kv_tokens(self) -> int:
@@ -154,6 +172,9 @@ class Carried:
                   "no_stop_trim": self.no_stop_trim}
         if self.stop_token_ids:
             params["stop_token_ids"] = list(self.stop_token_ids)
+        for key in ("json_schema", "regex", "ebnf"):
+            if getattr(self, key) is not None:
+                params[key] = getattr(self, key)
         if self.top_k != 1:  # sampled: the same distribution and seed, at the same positions
             params |= {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p}
             if self.sampling_seed is not None:

@@ -2,6 +2,10 @@
 room) name decoder A's messenger and the held request, and the room carries a MAC with the
 deployment's secret over all three.
 
+A request with a grammar also says how many of its input tokens are outputs A already
+generated (``replay``: B advances the grammar over them before it samples), in the request id
+B receives (``<rid>.m<handle>g<replay>``, which SGLang keeps as given); the MAC covers it too.
+
 Why a MAC: B's front end takes these fields from anyone holding the API key, and a decoder
 that believed them would connect its messenger wherever a client pointed it. B checks the MAC
 before it contacts anything: without the secret, a forged source is refused at intake
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import secrets
 from dataclasses import dataclass
 
@@ -24,8 +29,12 @@ class SourceError(ValueError):
     """Bootstrap fields that do not name a migration source this deployment made."""
 
 
-def _mac(secret: bytes, host: str, port: int, handle: int) -> int:
-    msg = f"sglang-disagg migration source v1|{host}|{port}|{handle}".encode()
+MAX_REPLAY = 1 << 20
+_RID = re.compile(r"\.m([0-9]{1,10})(?:g([0-9]{1,7}))?$")
+
+
+def _mac(secret: bytes, host: str, port: int, handle: int, replay: int) -> int:
+    msg = f"sglang-disagg migration source v2|{host}|{port}|{handle}|{replay}".encode()
     return int.from_bytes(hmac.new(secret, msg, hashlib.sha256).digest()[:4], "big")
 
 
@@ -34,25 +43,30 @@ class Source:
     host: str
     port: int
     handle: int  # the held request's key on A (never A's rid)
+    replay: int = 0  # output tokens in the input that B's grammar must accept first (0: no grammar)
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
     @classmethod
-    def new(cls, address: str) -> Source:
+    def new(cls, address: str, replay: int = 0) -> Source:
         host, _, port = address.rpartition(":")
-        return cls(host, int(port), secrets.randbits(HANDLE_BITS))
+        if not 0 <= replay < MAX_REPLAY:
+            raise ValueError(f"replay {replay}: 0 to {MAX_REPLAY - 1}")
+        return cls(host, int(port), secrets.randbits(HANDLE_BITS), replay)
 
     def room(self, secret: bytes) -> int:
-        return (self.handle << MAC_BITS) | _mac(secret, self.host, self.port, self.handle)
+        return (self.handle << MAC_BITS) | _mac(secret, self.host, self.port, self.handle, self.replay)
 
-    def fields(self, secret: bytes) -> dict:
-        return {"bootstrap_host": self.host, "bootstrap_port": self.port, "bootstrap_room": self.room(secret)}
+    def fields(self, secret: bytes, rid: str) -> dict:
+        """B's bootstrap fields and request id (A's rid, the handle and the replay count)."""
+        return {"bootstrap_host": self.host, "bootstrap_port": self.port, "bootstrap_room": self.room(secret),
+                "rid": f"{rid}.m{self.handle}" + (f"g{self.replay}" if self.replay else "")}
 
     @classmethod
-    def of(cls, host: object, port: object, room: object, secret: bytes) -> Source | None:
-        """The source a request's bootstrap fields name (None: they name none), or SourceError."""
+    def of(cls, host: object, port: object, room: object, secret: bytes, rid: object = "") -> Source | None:
+        """The source a request's bootstrap fields and id name (None: they name none), or SourceError."""
         if host is None:  # SGLang may fill a room (and a default port) on its own: the host decides
             return None
         if not isinstance(host, str) or not host or len(host) > 255:
@@ -62,7 +76,10 @@ class Source:
         if isinstance(room, bool) or not isinstance(room, int) or not 0 <= room < 1 << (HANDLE_BITS + MAC_BITS):
             raise SourceError("a migrated request names no valid room")
         handle, mac = room >> MAC_BITS, room & ((1 << MAC_BITS) - 1)
-        if not hmac.compare_digest(mac.to_bytes(4, "big"), _mac(secret, host, port, handle).to_bytes(4, "big")):
+        m = _RID.search(rid) if isinstance(rid, str) else None
+        replay = int(m.group(2) or 0) if m is not None and int(m.group(1)) == handle else 0
+        if not hmac.compare_digest(mac.to_bytes(4, "big"),
+                                   _mac(secret, host, port, handle, replay).to_bytes(4, "big")):
             raise SourceError("the migration source is not authenticated (its room's MAC does not match this "
                               "deployment's secret)")
-        return cls(host, port, handle)
+        return cls(host, port, handle, replay)
