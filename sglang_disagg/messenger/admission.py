@@ -25,9 +25,14 @@ class Admitted:
     start_page: int         # pages before it were already in this decoder's radix tree
 
 
+def rejected(req: Any) -> bool:
+    """SGLang refused `req` at its intake (it carries its own finish, e.g. input too long)."""
+    return req.finished() or req.to_finish is not None
+
+
 def runs_locally(req: Any, n_tokens: int) -> str:
     """Why `req` is left to the decoder's own prefill ('' when the messenger carries it)."""
-    if req.finished() or req.to_finish is not None:
+    if rejected(req):
         return "already finished (rejected at intake)"
     if n_tokens < 1:
         return "a 1-token prompt is its own first decode step"

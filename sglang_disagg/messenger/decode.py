@@ -87,10 +87,11 @@ class DecodeMessenger(RequestEndings):
     # ----- intake -------------------------------------------------------------------
     def take(self, req: Any) -> bool:
         n = len(req.origin_input_ids) - 1
-        if req.finished() or req.to_finish is not None:
-            return False  # rejected at SGLang's intake (e.g. too long here): its own path ends it, reason kept
+        # A request SGLang rejected at intake (e.g. too long for this pool, a migrated one too)
+        # ends by SGLang's own path with its reason (a migration's source then keeps it)
+        rejected = admission.rejected(req)
         try:
-            source = Source.of(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room, self.secret, req.rid)
+            source = None if rejected else Source.of(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room, self.secret, req.rid)
             if source is not None:
                 migration_refused(self.sched.server_args, req, source.replay)
         except SourceError as e:

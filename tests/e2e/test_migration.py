@@ -4,7 +4,8 @@ request id, not timing) continues on decoder B, and the client, still connected 
 exactly the tokens of a request that never moved; nothing is recomputed (no prefill order for
 it, the bytes A wrote are the request's KV, the floor) and both decoders hold nothing after.
 Then the client leaving mid-relay, a target decoder that dies on the request (it stays on A,
-exact), and A killed after the hand-over (B aborts it and frees its pages).
+exact), B killed and the A-B link cut mid-migration (half of the KV written: the request stays on
+A, exact, nothing leaked), and A killed after the hand-over (B aborts it and frees its pages).
 
 Stack: a prefill server and decoder A (launcher --role all; A is asked directly, as its router
 would) and decoder B (--role decode) on the same prefill server. A's hook sends requests named
@@ -29,7 +30,7 @@ from sglang_disagg.launch.config import Ports
 from sglang_disagg.messenger.planner import pages_for
 
 from .conftest import COMMON_ARGS, JSON_SCHEMA, OUTPUT_TOKENS, next_port, structured_refs
-from .faultlib import FAULT_DEADLINE_S, scrape, signal_group, value, wait_for, wait_released
+from .faultlib import FAULT_DEADLINE_S, drop_connections, scrape, signal_group, value, wait_for, wait_released
 
 pytestmark = pytest.mark.e2e
 
@@ -329,6 +330,49 @@ def _kill(proc) -> None:
         assert time.monotonic() < deadline, f"still alive 10 s after SIGKILL: {[p for p in members if alive(p)]}"
         time.sleep(0.005)
     proc.poll()
+
+
+def _mid_migration(a: Stack, b: Stack, prompt: list[int], rid: str) -> Streamed:
+    """A stream whose migration stalls with half of its KV written (the hook's -stall-: the rest
+    goes out 3 s later): returned once B took A's order and waits for the rest."""
+    t = Streamed(_decoder(a).url, prompt, LONG, rid)
+    wait_for("B waiting for the writes A holds back", lambda: t.err is not None or value(
+        _m(b), "sglang_disagg_requests_in_flight", phase="transfer") == 1, 60, 0.01)
+    assert t.err is None, t.err
+    return t
+
+
+def test_the_new_decoder_killed_mid_migration_leaves_the_request_on_the_first_exact(decoders, references):
+    a, b = decoders
+    prompts, _ = references("tiny-llama")
+    plain = generate_ids(_decoder(a).url, prompts[-2], LONG, rid="plain-b-killed")
+    failed, handed = _migrations(a, "failed"), _migrations(a, "handed_over")
+    t = _mid_migration(a, b, prompts[-2], "migrate-after-5-stall-b-killed")
+    _kill(_decoder(b))  # B dies with half of the request's KV written into it
+    t.join(60)
+    assert t.err is None and t.out == plain, f"{t.err}: {t.out} != {plain}"
+    assert (_migrations(a, "failed"), _migrations(a, "handed_over")) == (failed + 1, handed)
+    _free(a)
+    b.restart(Role.DECODE.value)  # the module's later tests need it
+
+
+def test_the_link_between_the_decoders_dropped_mid_migration_leaves_the_request_on_the_first_exact(
+        decoders, references):
+    """B's control connection to A is cut while A holds back half of the writes: B fails the
+    request (it cannot know its KV will complete), A keeps it and continues it exactly, and B
+    frees its pages once the writes A still posted drained."""
+    a, b = decoders
+    prompts, _ = references("tiny-llama")
+    plain = generate_ids(_decoder(a).url, prompts[-2], LONG, rid="plain-link-cut")
+    failed = _migrations(a, "failed")
+    t = _mid_migration(a, b, prompts[-2], "migrate-after-5-stall-link-cut")
+    drop_connections(int(a.messenger_stats("decode")["address"].rsplit(":", 1)[1]))
+    t.join(60)
+    assert t.err is None and t.out == plain, f"{t.err}: {t.out} != {plain}"
+    assert _migrations(a, "failed") == failed + 1
+    for s in (a, b):
+        _, leaked = wait_released(s.cfg.host, s.cfg.ports.decode_metrics, time.monotonic(), 10.0)
+        assert leaked == 0, f"{leaked} pages or requests held on {s.log_dir.name}"
 
 
 def test_the_first_decoder_killed_after_the_hand_over_lets_the_new_one_free_everything(decoders, references):

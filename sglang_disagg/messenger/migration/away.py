@@ -2,7 +2,8 @@
 
 Scheduler-side contract (DecodeMessenger calls these in A's scheduler thread, leader; a
 decoder with TP > 1 migrates nothing yet: every rank would have to cut alike):
-  on_message(peer, msg)  control thread: a B's Hello or MigrationOrder, queued (True when ours)
+  on_message(peer, msg)  control thread: a B's Hello, MigrationOrder or Cancel, queued (True when
+                         ours); the scheduler thread applies them (targets.py)
   step()                 once per iteration: answer B's messages, cut due requests out of the
                          running batch, start their relays, free what was handed over, emit
                          relayed tokens as the requests' own
@@ -26,11 +27,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...backends import PeerState
-from .. import compat, wire
+from .. import wire
 from ..kvpool import page_ids
-from ..orders import DecoderLink
-from ..planner import ShardPlan
 from ..requests import release
 from .carry import Carried, refusals
 from .drain import MAX_IN_FLIGHT, DrainDoor
@@ -38,10 +36,10 @@ from .metrics import MigrationMetrics
 from .hook import TestHook
 from .relay import Relay, finish_reason
 from .room import Source
-from .source import Held, HeldState, MigrationRefused, MigrationSource
+from .source import Held, HeldState, MigrationSource
+from .targets import Targets
 
 logger = logging.getLogger("sglang_disagg.migration")
-MAX_PEERS = 64      # decoders that said Hello to this one as migration targets (bounded table)
 CUT_ATTR = "sglang_disagg_migrated"
 TRIED_ATTR = "sglang_disagg_migration_tried"  # the targets a request failed to move to (a drain tries the others)
 
@@ -74,7 +72,6 @@ class Outgoing:
         # inference; nothing from a speculative decoder (its draft state is not carried yet)
         self.deterministic = bool(getattr(args, "enable_deterministic_inference", False))
         self.speculative = bool(getattr(args, "speculative_algorithm", None))
-        self.peers: dict[str, DecoderLink] = {}
         self.inbox: collections.deque[tuple[Any, wire.Message]] = collections.deque()
         self.cutting: list[Away] = []
         self.away: dict[str, Away] = {}           # handle -> request held or relayed
@@ -92,11 +89,12 @@ class Outgoing:
         self.draining: tuple[str, ...] = ()   # the decoders a drain moves requests to
         self.drain_base: dict = {}
         self.changed = False  # a migration was handed over or ended since the messenger last published
+        self.targets = Targets(self)
         self.sent: dict[str, int] = {}        # target -> migrations from here not handed over yet
 
     # ----- control thread -------------------------------------------------------------
     def on_message(self, peer: Any, msg: wire.Message) -> bool:
-        if not isinstance(msg, (wire.Hello, wire.MigrationOrder)):
+        if not isinstance(msg, (wire.Hello, wire.MigrationOrder, wire.Cancel)):
             return False
         self.inbox.append((peer, msg))
         self.node.wakeup.set()
@@ -111,14 +109,14 @@ class Outgoing:
 
     def step(self) -> None:
         while self.inbox:
-            peer, msg = self.inbox.popleft()
-            self._hello(peer, msg) if isinstance(msg, wire.Hello) else self._order(peer, msg)
+            self.targets.on(*self.inbox.popleft())
         asked = self.door.take()
         if asked:
             if not self.draining:  # what the status counts: since this drain began
                 self.drain_base = dict(self.stats)
             self.draining = asked
             logger.warning("migration: draining: running requests move to %s", ", ".join(asked))
+        self.targets.post_due()
         self._hold_cut()
         if self.hook is not None or self.draining:
             self._cut_due()
@@ -126,6 +124,7 @@ class Outgoing:
             if (a := self.away.get(h.rid)) is not None:
                 self._back(a, "no order came from the new decoder in time")
         for h in self.source.settled():
+            self.targets.settled(h)
             a = self.away.get(h.rid)
             if a is None:
                 continue
@@ -133,6 +132,7 @@ class Outgoing:
                 self._handed(a)
             else:
                 self._back(self.away.pop(h.rid), h.error or "the migration failed")
+        self.targets.answer_cancels()
         self._relay()
         if self.draining:
             self._publish()
@@ -160,51 +160,6 @@ class Outgoing:
                 a.aborted = True
                 if a.relay is not None:
                     a.relay.close()
-
-    # ----- B's messages ---------------------------------------------------------------
-    def _hello(self, peer: Any, hello: wire.Hello) -> None:
-        reasons = compat.differences(hello.kv, self.node.spec)
-        link = None
-        if not reasons:
-            try:
-                if self.m.ranks.size != 1:
-                    raise ValueError("this decoder has TP > 1: it migrates nothing yet")
-                for key in [k for k, x in self.peers.items() if x.peers[0].state is not PeerState.CONNECTED]:
-                    del self.peers[key]  # a decoder that went away: its slot is free again
-                if len(self.peers) >= MAX_PEERS and peer.id not in self.peers:
-                    raise ValueError(f"{MAX_PEERS} decoders are linked for migration already")
-                link = DecoderLink(hello, ShardPlan.build(self.node.view.geometry, self.m.ranks.size, hello.kv.tp))
-                compat.decoder_pages(self.node.view.geometry, hello)
-                data = self.m.backend.connect(hello.ranks[0].address, self.m.cfg.connect_timeout_s)
-                for d, endpoint in enumerate(hello.ranks):
-                    link.peers[d] = data
-                    link.remote[d] = [data.add_remote_region(desc) for desc in endpoint.regions]
-            except Exception as e:  # noqa: BLE001 - refused with the reason
-                reasons = [str(e)]
-        if reasons:
-            logger.error("migration: refused decoder %s: %s", hello.decoder, "; ".join(reasons))
-            peer.send(wire.encode(wire.Refuse(prefill=self.node.name, reason="; ".join(reasons))))
-            return
-        self.peers[peer.id] = link
-        peer.send(wire.encode(wire.Welcome(prefill=self.node.name, kv=self.node.spec, ranks=tuple(
-            wire.RankEndpoint(r.rank, r.address, r.instance, ()) for r in self.node.endpoints))))
-
-    def _order(self, peer: Any, order: wire.MigrationOrder) -> None:
-        link = self.peers.get(peer.id)
-        try:
-            if link is None:
-                raise MigrationRefused("no Hello on this connection")
-            h, groups, _ = self.source.plan(order, link.hello.kv.tp)
-        except MigrationRefused as e:
-            peer.send(wire.encode(wire.OrderFailed(rid=order.rid, tag=order.tag, reason=str(e),
-                                                   blame=wire.Blame.ORDER, posted=0)))
-            return
-        a = self.away.get(h.rid)
-        if a is not None:
-            a.held = h
-            a.req.sglang_disagg_migration_order = time.monotonic()
-        self.source.post(h, order.tag, groups, self.m.backend, link.peers, self.node.regions, link.remote,
-                         self.node.wakeup.set)
 
     # ----- the cut ----------------------------------------------------------------------
     def _cut_due(self) -> None:

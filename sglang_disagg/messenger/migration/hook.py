@@ -1,6 +1,8 @@
 """The test hook that triggers migrations by token count (never by timing): a decoder started
 with SGLANG_DISAGG_TEST_MIGRATE=to=URL migrates each request whose rid starts with
-``migrate-after-K-`` once it has K output tokens."""
+``migrate-after-K-`` once it has K output tokens. A fault injector too: a request whose rid
+holds ``-stall-`` has half of its KV writes held back for STALL_S seconds once the new decoder
+ordered them, so a test can kill that decoder or cut the link mid-migration."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import os
 from dataclasses import dataclass
 
 TEST_ENV = "SGLANG_DISAGG_TEST_MIGRATE"
+STALL_S = 3.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +30,11 @@ class TestHook:
         if not kv.get("to", "").startswith("http"):
             raise ValueError(f"{TEST_ENV}={raw!r}: expected to=URL")
         return cls(kv["to"].rstrip("/"))
+
+    @staticmethod
+    def stalls(rid: str) -> bool:
+        """Whether half of this request's writes wait STALL_S seconds (a mid-migration fault test)."""
+        return rid.startswith(TestHook.PREFIX) and "-stall-" in rid
 
     def after(self, rid: str) -> tuple[int, str] | None:
         """(K, target URL) for a request named migrate-after-K-*; migrate-after-K-port-P-*

@@ -60,6 +60,8 @@ class Held:
     completed: int = 0
     nbytes: int = 0
     error: str = ""
+    later: tuple = ()        # write groups held back (a fault test's stall: post_later posts them)
+    tag_of: tuple = ()       # (B's name, the order's tag): what B's Cancel names
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def done_one(self, err: BaseException | None) -> None:  # backend thread
@@ -67,7 +69,7 @@ class Held:
             self.completed += 1
             if err is not None and not self.error:
                 self.error = f"KV write to the new decoder failed: {err}"
-            if self.completed == self.posted:
+            if self.completed == self.posted and not self.later:
                 self.state = HeldState.FAILED if self.error else HeldState.WRITTEN
 
 
@@ -113,11 +115,16 @@ class MigrationSource:
 
     def post(self, h: Held, tag: int, groups: list[WriteGroup], backend: Any, peers: dict[int, Any],
              regions: Sequence[Sequence[Any]], remote: dict[int, list[Any]],
-             wakeup: Callable[[], None] = lambda: None) -> None:
+             wakeup: Callable[[], None] = lambda: None, hold_back: int = 0) -> None:
         """Post every group (A's leader holds every rank's regions); completions count on
         backend threads. A failure to post marks the request FAILED once the posted ones
-        drained (it then goes back to A's batch: B never completes its count)."""
+        drained (it then goes back to A's batch: B never completes its count). With `hold_back`
+        (a fault test's stall) the last that many groups wait for post_later."""
         h.state, h.tag = HeldState.WRITING, tag
+        if hold_back:
+            with h._lock:
+                h.later = (groups[-hold_back:], backend, peers, regions, remote, wakeup)
+            groups = groups[:-hold_back]
         kinds = len(self.geometry.kinds)
         futures = []
         try:
@@ -135,10 +142,31 @@ class MigrationSource:
                     h.state = HeldState.FAILED
         if not futures:
             with h._lock:
-                if not h.error and h.completed == h.posted:
+                if not h.error and h.completed == h.posted and not h.later:
                     h.state = HeldState.WRITTEN
         for fut in futures:
             fut.add_done_callback(lambda f: (h.done_one(f.exception()), wakeup()))
+
+    def cancel(self, h: Held) -> None:
+        """B gave the request up: nothing more is posted; FAILED once the posted writes drained."""
+        with h._lock:
+            h.later = ()
+            if not h.error:
+                h.error = "the new decoder gave it up"
+            if h.state is HeldState.HELD or h.completed == h.posted:
+                h.state = HeldState.FAILED
+
+    def post_later(self, h: Held) -> None:
+        """Post the groups `post` held back (a stalled migration going on)."""
+        with h._lock:
+            later, h.later = h.later, ()
+            if not later:
+                return
+            if h.completed == h.posted and h.error:  # failed meanwhile: nothing more goes out
+                h.state = HeldState.FAILED
+                return
+        groups, backend, peers, regions, remote, wakeup = later
+        self.post(h, h.tag, list(groups), backend, peers, regions, remote, wakeup)
 
     def drop(self, rid: str) -> bool:
         """Forget a held request no order came for (B gave up first); False if writes were posted

@@ -1,0 +1,143 @@
+"""Decoder A's side of its links to migration targets: the Hello of a decoder B (the same
+first-contact checks as a prefill server's, a data connection for the writes), B's
+MigrationOrder (checked against what A holds, planned, posted) and B's Cancel (nothing more is
+posted; B hears how many writes carried the tag once they drained, as a prefill server answers).
+
+Scheduler-side contract (Outgoing calls these in A's scheduler thread): on(peer, msg) for each
+queued message; post_due() each iteration (the test hook's held-back writes, migration/hook.py);
+settled(h) for every settled held request; answer_cancels() after them. Bounded: MAX_PEERS
+linked decoders, MAX_ANSWERED remembered write counts and pending cancels.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from typing import Any
+
+from ...backends import PeerState
+from .. import compat, wire
+from ..orders import DecoderLink
+from ..planner import ShardPlan
+from .hook import STALL_S
+from .source import Held, MigrationRefused
+
+logger = logging.getLogger("sglang_disagg.migration")
+MAX_PEERS = 64      # decoders that said Hello to this one as migration targets (bounded table)
+MAX_ANSWERED = 256  # settled orders whose write counts a late cancel is answered with
+
+
+class Targets:
+    def __init__(self, out: Any) -> None:
+        self.out, self.m, self.node, self.source, self.hook = out, out.m, out.node, out.source, out.hook
+        self.peers: dict[str, DecoderLink] = {}
+        self.stalled: list[tuple[float, Held]] = []  # the test hook's held-back writes, with when they go
+        # B's cancels: answered (wire.Released with the writes posted) once the request's writes
+        # drained; `answered` remembers the last MAX_ANSWERED settled orders for a late cancel
+        self.cancels: list[tuple[Any, wire.Cancel]] = []
+        self.answered: collections.OrderedDict[tuple[str, int], int] = collections.OrderedDict()
+
+    def on(self, peer: Any, msg: wire.Message) -> None:
+        if isinstance(msg, wire.Hello):
+            self._hello(peer, msg)
+        elif isinstance(msg, wire.Cancel):
+            self._cancel(peer, msg)
+        else:
+            self._order(peer, msg)
+
+    def post_due(self) -> None:
+        now = time.monotonic()
+        for due, h in [x for x in self.stalled if x[0] <= now]:
+            self.stalled.remove((due, h))
+            self.source.post_later(h)
+
+    def settled(self, h: Held) -> None:
+        if h.tag_of:  # what B's Cancel for it is answered with from now on
+            self.answered[h.tag_of] = h.writes
+            while len(self.answered) > MAX_ANSWERED:
+                self.answered.popitem(last=False)
+
+    def answer_cancels(self) -> None:
+        for peer, msg in [c for c in self.cancels if self._named(c[0], c[1].tag) in self.answered]:
+            self.cancels.remove((peer, msg))
+            self._released(peer, msg)
+
+    def _hello(self, peer: Any, hello: wire.Hello) -> None:
+        reasons = compat.differences(hello.kv, self.node.spec)
+        link = None
+        if not reasons:
+            try:
+                if self.m.ranks.size != 1:
+                    raise ValueError("this decoder has TP > 1: it migrates nothing yet")
+                for key in [k for k, x in self.peers.items() if x.peers[0].state is not PeerState.CONNECTED]:
+                    del self.peers[key]  # a decoder that went away: its slot is free again
+                if len(self.peers) >= MAX_PEERS and peer.id not in self.peers:
+                    raise ValueError(f"{MAX_PEERS} decoders are linked for migration already")
+                link = DecoderLink(hello, ShardPlan.build(self.node.view.geometry, self.m.ranks.size, hello.kv.tp))
+                compat.decoder_pages(self.node.view.geometry, hello)
+                data = self.m.backend.connect(hello.ranks[0].address, self.m.cfg.connect_timeout_s)
+                for d, endpoint in enumerate(hello.ranks):
+                    link.peers[d] = data
+                    link.remote[d] = [data.add_remote_region(desc) for desc in endpoint.regions]
+            except Exception as e:  # noqa: BLE001 - refused with the reason
+                reasons = [str(e)]
+        if reasons:
+            logger.error("migration: refused decoder %s: %s", hello.decoder, "; ".join(reasons))
+            peer.send(wire.encode(wire.Refuse(prefill=self.node.name, reason="; ".join(reasons))))
+            return
+        self.peers[peer.id] = link
+        peer.send(wire.encode(wire.Welcome(prefill=self.node.name, kv=self.node.spec, ranks=tuple(
+            wire.RankEndpoint(r.rank, r.address, r.instance, ()) for r in self.node.endpoints))))
+
+    def _order(self, peer: Any, order: wire.MigrationOrder) -> None:
+        link = self.peers.get(peer.id)
+        try:
+            if link is None:
+                raise MigrationRefused("no Hello on this connection")
+            h, groups, _ = self.source.plan(order, link.hello.kv.tp)
+        except MigrationRefused as e:
+            peer.send(wire.encode(wire.OrderFailed(rid=order.rid, tag=order.tag, reason=str(e),
+                                                   blame=wire.Blame.ORDER, posted=0)))
+            return
+        a = self.out.away.get(h.rid)
+        if a is not None:
+            a.held = h
+            a.req.sglang_disagg_migration_order = time.monotonic()
+        h.tag_of = self._named(peer, order.tag)
+        hold_back = 0
+        if self.hook is not None and a is not None and self.hook.stalls(a.req.rid) and len(groups) > 1:
+            hold_back = len(groups) // 2  # the fault injector: the rest goes out STALL_S later
+            self.stalled.append((time.monotonic() + STALL_S, h))
+            threading.Timer(STALL_S, self.node.wakeup.set).start()
+        self.source.post(h, order.tag, groups, self.m.backend, link.peers, self.node.regions, link.remote,
+                         self.node.wakeup.set, hold_back)
+
+    def _cancel(self, peer: Any, msg: wire.Cancel) -> None:
+        """B gave a migrating request up (e.g. its link here dropped): nothing more is posted for
+        it, and B hears how many writes carried its tag once they drained (wire.Released), so it
+        frees its pages then rather than after the late-writes deadline."""
+        key = self._named(peer, msg.tag)
+        h = next((x for x in self.source.held.values() if x.tag_of == key), None)
+        if h is None and key not in self.answered:
+            return  # no such order from this peer: nothing to say
+        if h is not None:
+            self.source.cancel(h)
+            if len(self.cancels) < MAX_ANSWERED:
+                self.cancels.append((peer, msg))
+            return
+        self._released(peer, msg)
+
+    def _named(self, peer: Any, tag: int) -> tuple[str, int]:
+        """(the decoder's name from its Hello, tag): B's cancel may come on a new connection."""
+        link = self.peers.get(peer.id)
+        return (link.hello.decoder if link is not None else f"?{peer.id}", tag)
+
+    def _released(self, peer: Any, msg: wire.Cancel) -> None:
+        try:
+            peer.send(wire.encode(wire.Released(rid=msg.rid, tag=msg.tag,
+                                                posted=self.answered[self._named(peer, msg.tag)])))
+        except Exception as e:  # noqa: BLE001 - B went away: it frees by its own rules
+            logger.info("migration: the answer to %s's cancel was not sent: %s", peer.address, e)
+
