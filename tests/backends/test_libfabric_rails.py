@@ -149,6 +149,9 @@ def test_each_rail_registers_only_the_regions_it_carries() -> None:
         peer = tx.connect(rx.address)
         remote, remote0 = peer.add_remote_region(desc), peer.add_remote_region(only0)
         pages = list(range(32))
+        # A write's completion at the sender does not say its bytes are in the receiver's memory
+        # (tcp: transmit completion): the receiver's count does (CI once read page 60 still zero)
+        landed7, landed8 = rx.expect(7, 32, 10.0), rx.expect(8, 32, 10.0)
         for i in range(8):
             tx.write_pages(peer, near, pages[i * 4:(i + 1) * 4], PAGE, remote, pages[i * 4:(i + 1) * 4], PAGE,
                            PAGE, 7).wait(10.0)
@@ -159,6 +162,7 @@ def test_each_rail_registers_only_the_regions_it_carries() -> None:
                            PAGE, PAGE, 8).wait(10.0)
         s = tx.stats()
         assert s["rail0_bytes"] == size and s["rail1_bytes"] == size, s  # the other region balanced the rails
+        assert landed7.wait(10.0) == 32 and landed8.wait(10.0) == 32
         assert dst_buf.raw == bufs[0].raw + bufs[1].raw
         # our rail 1 to their rail 0 (not its paired rail 1, which does not hold the destination)
         landed = rx.expect(9, 32, 10.0)
