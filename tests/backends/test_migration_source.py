@@ -74,8 +74,12 @@ def pair(request):
     ok, why = available(name)
     if not ok:
         pytest.skip(f"{name}: {why}")  # fails under CI=true (tests/conftest.py): every backend is installed there
-    cfg = BackendConfig(host="127.0.0.1", port=0, secret=SECRET, provider=provider) if provider else \
-        BackendConfig(host="127.0.0.1", port=0, secret=SECRET)
+    # What these tests check is where the bytes land, not how fast a peer answers: the liveness and
+    # handshake deadlines get room a loaded 2-core machine needs (CI once saw a Mooncake pair's
+    # handshake miss 2 s and a peer "silent for 4.37 s" while the backends were being created)
+    slack = dict(handshake_timeout_s=10.0, peer_timeout_s=10.0)
+    cfg = BackendConfig(host="127.0.0.1", port=0, secret=SECRET, provider=provider, **slack) if provider else \
+        BackendConfig(host="127.0.0.1", port=0, secret=SECRET, **slack)
     a, b = create_backend(name, cfg), create_backend(name, cfg)
     try:
         yield a, b
