@@ -125,11 +125,7 @@ class Membership:
         if self.find(url) is not None:
             return False
         self._call("POST", "/workers", {"url": normal(url)} | ({"api_key": api_key} if api_key else {}))
-        deadline = time.monotonic() + wait_s
-        while (now := self.find(url)) is None or not now.healthy:
-            if time.monotonic() > deadline:
-                raise MembershipError(f"the router took {normal(url)} but does not route to it after {wait_s:g}s")
-            time.sleep(0.05)
+        self._until(url, True, wait_s, f"the router took {normal(url)} but does not route to it after {wait_s:g}s")
         return True
 
     def leave(self, url: str, wait_s: float = TIMEOUT_S) -> bool:
@@ -140,9 +136,13 @@ class Membership:
         if m is None or m.leaving:  # a preStop hook's drain, then the launcher's own on SIGTERM
             return False
         self._call("DELETE", "/workers/" + urllib.parse.quote(m.worker_id, safe=""))
-        deadline = time.monotonic() + wait_s
-        while (now := self.find(url)) is not None and now.healthy:
-            if time.monotonic() > deadline:
-                raise MembershipError(f"the router still lists {m.url} {wait_s:g}s after removing it")
-            time.sleep(0.05)
+        self._until(url, False, wait_s, f"the router still routes to {m.url} {wait_s:g}s after removing it")
         return True
+
+    def _until(self, url: str, routed: bool, wait_s: float, why: str) -> None:
+        """Polls the list until the router routes to `url` (listed and healthy) or does not."""
+        deadline = time.monotonic() + wait_s
+        while ((now := self.find(url)) is not None and now.healthy) is not routed:
+            if time.monotonic() > deadline:
+                raise MembershipError(why)
+            time.sleep(0.05)
