@@ -314,7 +314,7 @@ def migrate_away(stack: Stack, say) -> object | None:
     except DrainFailed as e:
         say(f"no migration ({e}); running requests finish here")
         return None
-    return (lambda: relaying(target, stack.admin_key)) if status.get("migrated") else None
+    return relaying(target, stack.admin_key) if status.get("migrated") else None
 
 
 def _interrupt(signum: int, frame: object) -> None:

@@ -32,6 +32,10 @@ from sglang_disagg.launch.client import headers
 from sglang_disagg.launch.membership import Membership, MembershipError, normal
 
 POLL_S = 0.2
+# A door that does not answer for a moment is not a door saying "done" or "nothing relayed":
+# only this long without an answer ends a drain's progress poll or a stop's wait for relays
+# (a process that exited ends them at once: Stack.stop sees it).
+UNREACHABLE_S = 10.0
 # How long a stopping decoder's front end may keep relaying migrated streams after --drain-timeout
 # (they hold no KV here; a Kubernetes pod's termination grace covers it: render_k8s.py).
 RELAYS_MAX_S = 600.0
@@ -89,9 +93,9 @@ def drain(target: DrainTarget, admin_key: str, *, router: str | None = None, to:
     _door("POST", target.door, admin_key, {"to": list(targets)})
     say(f"draining {target.url}: running requests move to {', '.join(targets)}")
     deadline = time.monotonic() + timeout_s
-    status, last = {}, None
+    status, last, poll = {}, None, _Poll(target, admin_key)
     while True:
-        status = _door("GET", target.door, admin_key)
+        status = poll() or status
         shown = {k: status.get(k) for k in ("running", "migrating", "migrated", "failed", "refused", "relaying")}
         if shown != last and "running" in status:  # the scheduler publishes from its next iteration
             say("drain: " + ", ".join(f"{k} {v}" for k, v in shown.items()))
@@ -101,13 +105,38 @@ def drain(target: DrainTarget, admin_key: str, *, router: str | None = None, to:
         time.sleep(POLL_S)
 
 
-def relaying(target: DrainTarget, admin_key: str) -> bool:
-    """Whether the drained decoder still relays migrated streams (and runs nothing else)."""
-    try:
-        status = _door("GET", target.door, admin_key)
-    except DrainFailed:
-        return False
-    return bool(status.get("relaying")) and not status.get("running")
+class _Poll:
+    """GET of the door that rides out a short silence: {} while it has not answered for less
+    than UNREACHABLE_S, DrainFailed past that."""
+
+    def __init__(self, target: DrainTarget, admin_key: str) -> None:
+        self.target, self.key, self.silent_since = target, admin_key, 0.0
+
+    def __call__(self) -> dict:
+        try:
+            status = _door("GET", self.target.door, self.key)
+        except DrainFailed:
+            now = time.monotonic()
+            self.silent_since = self.silent_since or now
+            if now - self.silent_since >= UNREACHABLE_S:
+                raise
+            return {}
+        self.silent_since = 0.0
+        return status
+
+
+def relaying(target: DrainTarget, admin_key: str) -> Callable[[], bool]:
+    """What tells Stack.stop whether the drained decoder still relays migrated streams (and
+    runs nothing else); a door silent for less than UNREACHABLE_S says yes."""
+    poll, last = _Poll(target, admin_key), [{"relaying": 1}]
+
+    def still() -> bool:
+        try:
+            last[0] = poll() or last[0]
+        except DrainFailed:
+            return False
+        return bool(last[0].get("relaying")) and not last[0].get("running")
+    return still
 
 
 def main(argv: list[str]) -> int:

@@ -7,8 +7,12 @@ Here, as on the control ports (backends/control.py):
 
 - at most ``MAX_CONNECTIONS`` at a time; a newcomer evicts the oldest (a scrape is answered
   in milliseconds, so the oldest is the one most likely doing nothing);
-- one deadline for the whole exchange, ``REQUEST_DEADLINE_S`` from accept until the
-  response is sent, however slowly the bytes trickle in;
+- one deadline for the client's part, ``REQUEST_DEADLINE_S`` from accept until a GET's
+  request line and headers are read (a POST's until its answer is sent: its body is read by
+  the app), however slowly the bytes trickle in. Our own answer is not under it: a scheduler
+  busy on one core (a drain) may take seconds to render a scrape, and a scraper that waits
+  for it (Prometheus: 10 s) must get it, not a cut connection. The answer has a deadline of
+  its own, ``ANSWER_DEADLINE_S`` (a client that never reads it cannot hold a thread for ever);
 - evictions and deadlines counted (``evicted``, ``timed_out``, both exported by the messenger as
   ``sglang_disagg_metrics_connections_dropped{why}``) and logged at a bounded rate.
 
@@ -36,12 +40,19 @@ logger = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 32
 REQUEST_DEADLINE_S = 2.0
+ANSWER_DEADLINE_S = 30.0  # from a GET read whole until its answer was sent
 _SWEEP_S = 0.2  # how often the serving loop looks for connections past their deadline
 
 
 class _Quiet(WSGIRequestHandler):
     def log_message(self, *args) -> None:  # a line per scrape (or per attacker) is noise
         pass
+
+    def parse_request(self) -> bool:
+        ok = super().parse_request()
+        if ok and self.command == "GET":  # all the client sends is read: the rest is our answer
+            self.server.read(self.request)
+        return ok
 
 
 class BoundedMetricsServer(ThreadingWSGIServer):
@@ -83,6 +94,12 @@ class BoundedMetricsServer(ThreadingWSGIServer):
         if expired:
             self._log.warn("deadline", "messenger metrics: %d connection(s) cut at the %.0f s request deadline; "
                            "%d so far", len(expired), REQUEST_DEADLINE_S, self.timed_out)
+
+    def read(self, request) -> None:
+        """`request` was read whole: from now on under the answer's deadline (still evictable)."""
+        with self._lock:
+            if request in self._live:  # stored as when it was accepted, as the sweep compares
+                self._live[request] = time.monotonic() + ANSWER_DEADLINE_S - REQUEST_DEADLINE_S
 
     def shutdown_request(self, request) -> None:
         with self._lock:

@@ -81,7 +81,20 @@ def deployment(tmp_path_factory, stacks):
 
 
 def test_sigterm_on_a_decoder_migrates_its_streams_through_the_router_and_each_ends_exact(deployment):
-    a, b, bp, b_log, c = deployment
+    try:
+        _drain_and_check(*deployment)
+    except Exception as e:  # what the drained decoder said: its side of a failure CI may not repeat
+        raise AssertionError(f"{e!r}\n{_b_side(deployment[3])}") from e
+
+
+def _b_side(b_log) -> str:
+    lines = (b_log.parent / "b" / "decode.log").read_text(errors="replace").splitlines()
+    said = [ln for ln in lines if any(w in ln for w in ("migration", "messenger", "Error", "error", "Traceback"))]
+    return ("--- B's launcher ---\n" + b_log.read_text(errors="replace")[-3000:] +
+            "\n--- B's decode.log (migration, messenger, errors) ---\n" + "\n".join(said[-60:]))
+
+
+def _drain_and_check(a, b, bp, b_log, c):
     members = Membership(a.router.url, a.admin_key)
     a_url, b_url = f"http://127.0.0.1:{a.cfg.ports.decode}", f"http://127.0.0.1:{bp.decode}"
     assert {m.url for m in members.members()} == {a_url, b_url}, "B joined the router's worker list"

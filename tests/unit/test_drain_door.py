@@ -9,6 +9,7 @@ from __future__ import annotations
 import http.client
 import json
 import threading
+import time
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter
@@ -74,3 +75,29 @@ def test_a_bad_body_is_refused_with_the_reason(served, body, why):
     port, door, _ = served
     status, answer = _call(port, "POST", body=body)
     assert status == 400 and why in json.loads(answer)["error"] and door.take() is None
+
+
+def test_a_stop_waits_for_relays_through_a_silent_door_and_not_past_it(served, monkeypatch):
+    """launch/drain.relaying: Stack.stop's hold. A door that stops answering for a moment (a
+    scheduler busy on one core) still means relays run; silent for UNREACHABLE_S, it does not."""
+    from sglang_disagg.launch import drain as launch_drain
+
+    port, door, _ = served
+    monkeypatch.setattr(launch_drain, "UNREACHABLE_S", 0.5)
+    monkeypatch.setattr(launch_drain, "headers", lambda key: {"Authorization": f"Bearer {key}"})
+    target = launch_drain.DrainTarget("http://127.0.0.1:1", f"http://127.0.0.1:{port}/drain")
+    still = launch_drain.relaying(target, KEY)
+    door.publish({"draining": True, "running": 0, "relaying": 2, "done": True})
+    assert still() is True
+    door.publish({"draining": True, "running": 1, "relaying": 2, "done": False})
+    assert still() is False, "something still runs here: not only relays"
+    door.publish({"draining": True, "running": 0, "relaying": 2, "done": True})
+    assert still() is True
+    silent = launch_drain.relaying(launch_drain.DrainTarget("http://127.0.0.1:1", "http://127.0.0.1:9/drain"), KEY)
+    assert silent() is True, "one unanswered poll is not the end of the relays"
+    t0 = time.monotonic()
+    while silent() and time.monotonic() - t0 < 5:
+        time.sleep(0.05)
+    assert 0.5 <= time.monotonic() - t0 < 2.0, "a door silent for UNREACHABLE_S ends the wait"
+    door.publish({"draining": True, "running": 0, "relaying": 0, "done": True})
+    assert still() is False

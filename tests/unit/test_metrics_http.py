@@ -99,3 +99,31 @@ def test_one_byte_at_a_time_does_not_hold_a_connection_past_the_request_deadline
     limit = metrics_http.REQUEST_DEADLINE_S + 1.0  # the deadline plus the serving loop's sweep, with room
     assert cut_after < limit, f"cut after {cut_after:.2f} s (deadline {metrics_http.REQUEST_DEADLINE_S} s)"
     assert _dropped(_scrape(metrics), "deadline") >= 1
+
+
+def test_an_answer_slower_than_the_deadline_is_still_sent(metrics, monkeypatch):
+    """The deadline is the client's: a GET read whole is answered however long the answer
+    takes (a scheduler busy on one core renders a scrape late; a cut connection there once
+    failed a drain's progress poll)."""
+    monkeypatch.setattr(metrics_http, "REQUEST_DEADLINE_S", 0.3)
+    slow = metrics_http.REQUEST_DEADLINE_S + 4 * metrics_http._SWEEP_S
+
+    def late(environ):
+        time.sleep(slow)
+        return "200 OK", {"late": True}
+
+    metrics.server.routes.add("/late", late)
+    port = metrics.server.server_address[1]
+    t0 = time.monotonic()
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/late", timeout=5) as r:
+        assert r.read() == b'{"late": true}'
+    assert time.monotonic() - t0 >= slow, "the answer really came after the deadline"
+    assert _dropped(_scrape(metrics), "deadline") == 0
+    # the client's part stays under it: a request line that never ends is cut
+    s = socket.create_connection(("127.0.0.1", port))
+    try:
+        s.sendall(b"GET /metrics HTTP/1.1\r\n")
+        assert _closed(s, metrics_http.REQUEST_DEADLINE_S + 1.0), "headers never ended, the connection stayed"
+    finally:
+        s.close()
+    assert _dropped(_scrape(metrics), "deadline") == 1
