@@ -5,7 +5,8 @@ one-token extend (which samples the first output token, grammar included).
 Scheduler-side contract (messenger/contract.py; hooks.py calls these on every TP rank, in the
 scheduler thread):
   take(req)            a new request; True when the messenger owns it from now on
-  apply(Route)         a leader decision, arriving through SGLang's request broadcast
+  apply(item)          a leader decision, arriving through SGLang's request broadcast: a Route,
+                       or a migration's cut or settling (migration/lockstep.py)
   leader_inputs()      (leader) decisions to inject into the next broadcast
   step()               once per iteration: admit, agree with the other ranks, hand off, free
   abort(recv_req)      a client abort, for requests the messenger holds
@@ -42,11 +43,12 @@ from .config import MessengerConfig
 from .decode_endings import RequestEndings
 from .entry import Entry, Lost, Phase, Release, lost_verdict
 from .faults import Fault
-from .inputs import Route
+from .inputs import MessengerInput, Route
 from .links import Links, LinkState
 from ..backends import auth
 from .migration.away import Outgoing
 from .migration.carry import migration_refused
+from .migration.lockstep import Lockstep
 from .migration.room import Source, SourceError
 from .metrics import Cause, scheduler_state
 from ..backends import PeerLostError
@@ -76,7 +78,10 @@ class DecodeMessenger(RequestEndings):
         self._first_step: dict[str, float] = {}  # rid -> hand-off time, until its first output token
         self.node.metrics.watch(self._gauges)
         self.secret = auth.load_secret() or b""
-        self.out = Outgoing(self) if self.ranks.is_leader else None  # requests migrating away (migration/away.py)
+        # requests migrating away: cut and settled alike on every rank (migration/lockstep.py), by the
+        # leader's decisions (migration/away.py)
+        self.lock = Lockstep(scheduler, self.ranks.size)
+        self.out = Outgoing(self) if self.ranks.is_leader else None
         if self.ranks.is_leader:
             hello = wire.Hello(decoder=self.node.name, backend=self.backend.name, provider=self.backend.provider,
                                kv=self.node.spec, ranks=self.node.endpoints, group=self.node.group)
@@ -124,11 +129,11 @@ class DecodeMessenger(RequestEndings):
         return True
 
     # ----- leader decisions ---------------------------------------------------------
-    def leader_inputs(self) -> list[Route]:
-        out: list[Route] = []
+    def leader_inputs(self) -> list[MessengerInput]:
+        out: list[MessengerInput] = []
         with self.node.owner_may_go(self._fail_all):
             self._route(out)
-        return out
+        return out + self.lock.inputs()
 
     def _route(self, out: list[Route]) -> None:
         for e in self.entries.values():
@@ -164,7 +169,10 @@ class DecodeMessenger(RequestEndings):
             if tag and not self.backend.is_retired(tag):
                 return tag
 
-    def apply(self, route: Route) -> None:
+    def apply(self, route: MessengerInput) -> None:
+        if not isinstance(route, Route):  # a migration's cut or settling (migration/lockstep.py)
+            self.lock.apply(route)
+            return
         e = self.entries.get(route.seq)
         if e is None or e.phase is not Phase.ROUTE:  # aborted meanwhile
             if self.links is not None and route.link:
@@ -400,7 +408,7 @@ class DecodeMessenger(RequestEndings):
         # idle SGLang scheduler checks its pool for leaks (and raised on the quarantined pages,
         # killing the decoder, when a prefill host stayed cut off), and /flush_cache would
         # hand pages back to the allocator that a stale write may still land in.
-        return not self.entries and (self.out is None or self.out.idle())
+        return not self.entries and not self.lock.holding() and (self.out is None or self.out.idle())
 
     def has_leader_work(self) -> bool:
         return any(e.phase is Phase.ROUTE and not e.routed for e in self.entries.values()) and \

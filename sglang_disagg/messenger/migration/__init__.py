@@ -1,4 +1,4 @@
-"""Live migration of running requests between decoders (issue 43; being built).
+"""Live migration of running requests between decoders (issue 43).
 
 The life of a migrated request, decoder A to decoder B (same model fingerprint and wire
 version; their TP sizes may differ):
@@ -19,9 +19,9 @@ version; their TP sizes may differ):
   5. Faults: no order within HOLD_S, or a write failed: the request goes back to A's batch
      and continues there (nothing lost, nothing leaked); B's deadline frees B's pages.
 
-Built: greedy requests from TP 1 decoders (away.py: the cut, the relay, the endings), B's
-ordering from a decoder (decode.py, links.py: a source link), the authenticated source
-(room.py), /drain (drain.py), metrics. Not built yet: a membership registry, the router told
-to stop sending, drain on SIGTERM, TP > 1 sources, sampled/structured/speculative requests
-(docs/architecture.md, "Live migration").
+Modules: away.py (A: the cut, the relay, the endings), lockstep.py (every TP rank of A cuts
+and settles alike), source.py and targets.py (A's held KV and its writes), carry.py (which
+request states move), room.py (the authenticated source), relay.py, drain.py (/drain),
+hook.py (the test hook), metrics.py; B's side is decode.py and links.py (a source link).
+What migrates and what stays: docs/architecture.md, "Live migration".
 """

@@ -1,7 +1,8 @@
 """Decoder A: running requests leaving for another decoder, from the cut to the end of the relay.
 
-Scheduler-side contract (DecodeMessenger calls these in A's scheduler thread, leader; a
-decoder with TP > 1 migrates nothing yet: every rank would have to cut alike):
+Scheduler-side contract (DecodeMessenger calls these in A's scheduler thread, leader; what
+changes the scheduler's state, the cut and the settling, goes through lockstep.py so that
+every TP rank does it in the same iteration):
   on_message(peer, msg)  control thread: a B's Hello, MigrationOrder or Cancel, queued (True when
                          ours); the scheduler thread applies them (targets.py)
   step()                 once per iteration: answer B's messages, cut due requests out of the
@@ -13,9 +14,10 @@ Worker side: write completions (backend threads) and relay threads only count/ap
 their own locks and wake the scheduler.
 
 The cut under the overlap scheduler: when a request is due its result of the batch in
-flight may not be processed yet. It leaves the running batch at once (so no later batch
-runs it) and is held one iteration later, once whatever was in flight for it was
-processed: then its KV holds every token but the last sampled one, with or without overlap.
+flight may not be processed yet. It leaves the running batch when the cut is applied (at
+once with one rank, at the next broadcast with more; so no later batch runs it) and is held
+one iteration after that, once whatever was in flight for it was processed: then its KV
+holds every token but the last sampled one, with or without overlap.
 """
 
 from __future__ import annotations
@@ -29,11 +31,11 @@ from typing import Any
 
 from .. import wire
 from ..kvpool import page_ids
-from ..requests import release
 from .carry import Carried, refusals
 from .drain import MAX_IN_FLIGHT, DrainDoor
 from .metrics import MigrationMetrics
 from .hook import TestHook
+from .lockstep import MigrationCut, MigrationSettled, Outcome
 from .relay import Relay, finish_reason
 from .room import Source
 from .source import Held, HeldState, MigrationSource
@@ -54,6 +56,7 @@ class Away:
     carried: Carried | None = None
     relay: Relay | None = None
     held: Held | None = None
+    cut_step: int = 0        # the step of Outgoing in which (or before which) it left the batch
     handed: float = 0.0      # when A's pages were freed (every write completed)
     cut_at: float = field(default_factory=time.monotonic)
     aborted: bool = False
@@ -74,6 +77,10 @@ class Outgoing:
         self.speculative = bool(getattr(args, "speculative_algorithm", None))
         self.inbox: collections.deque[tuple[Any, wire.Message]] = collections.deque()
         self.cutting: list[Away] = []
+        self.deciding: dict[str, tuple[Any, str]] = {}  # rid -> (request, target): cut, not applied yet
+        self.lock = messenger.lock
+        self.lock.on_cut = self._cut_applied
+        self.steps, self._in_step = 0, False
         self.away: dict[str, Away] = {}           # handle -> request held or relayed
         self.recent: collections.deque[dict] = collections.deque(maxlen=64)  # migration traces
         self.failures: collections.deque[dict] = collections.deque(maxlen=8)  # the last ones, for /drain
@@ -102,12 +109,19 @@ class Outgoing:
 
     # ----- scheduler thread -----------------------------------------------------------
     def idle(self) -> bool:
-        return not (self.away or self.cutting or self.inbox)
+        return not (self.away or self.cutting or self.deciding or self.inbox)
 
     def wants_step(self) -> bool:
         return self.hook is not None or bool(self.draining) or not self.idle() or self.door.status.get("draining")
 
     def step(self) -> None:
+        self.steps, self._in_step = self.steps + 1, True
+        try:
+            self._step()
+        finally:
+            self._in_step = False
+
+    def _step(self) -> None:
         while self.inbox:
             self.targets.on(*self.inbox.popleft())
         asked = self.door.take()
@@ -147,10 +161,12 @@ class Outgoing:
         relaying = sum(1 for a in self.away.values() if a.handed)
         since = {k: self.stats[k] - self.drain_base.get(k, 0) for k in self.stats}
         self.door.publish({"draining": True, "to": list(self.draining), "running": running,
-                           "migrating": len(self.away) - relaying + len(self.cutting), "relaying": relaying,
+                           "migrating": len(self.away) - relaying + len(self.cutting) + len(self.deciding),
+                           "relaying": relaying,
                            "migrated": since["migrations_handed_over"], "failed": since["migrations_failed"],
                            "refused": since["migrations_refused"], "last_failures": list(self.failures),
-                           "done": running == 0 and len(self.away) == relaying and not self.cutting})
+                           "done": running == 0 and len(self.away) == relaying and not self.cutting
+                           and not self.deciding})
 
     def abort(self, recv_req: Any) -> None:
         from ..requests import abort_matches
@@ -165,11 +181,15 @@ class Outgoing:
     def _cut_due(self) -> None:
         batch = self.sched.running_batch
         inflight = 1 if getattr(self.sched, "enable_overlap", False) else 0
+        # With more ranks the cut reaches the batches at the next broadcast: one more decode
+        # step runs first (the hook's count stays exact for a request decoding on its own)
+        inflight += 1 if self.m.ranks.size > 1 else 0
         due = [(r, hit[1]) for r in batch.reqs if not getattr(r, CUT_ATTR, False) and not r.finished()
                and self.hook is not None and (hit := self.hook.after(r.rid)) is not None
                and len(r.output_ids) >= hit[0] - inflight and hit[1] not in getattr(r, TRIED_ATTR, ())]
         if self.draining:
-            room = MAX_IN_FLIGHT - sum(1 for a in self.away.values() if not a.handed) - len(self.cutting)
+            room = MAX_IN_FLIGHT - sum(1 for a in self.away.values() if not a.handed) - len(self.cutting) - \
+                len(self.deciding)
             for r in batch.reqs:
                 if room <= len(due):
                     break
@@ -178,28 +198,42 @@ class Outgoing:
                         all(r is not d for d, _ in due):
                     due.append((r, min(left, key=lambda t: self.sent.get(t, 0))))
                     self.sent[due[-1][1]] = self.sent.get(due[-1][1], 0) + 1
+        cut = []
         for req, to in due:
             setattr(req, CUT_ATTR, True)
             why = refusals(req, self.speculative, self.deterministic)
-            if why or self.m.ranks.size != 1:
+            if why:
                 self.stats["migrations_refused"] += 1
                 self.metrics.outcome("refused")
-                logger.warning("migration: %s stays here: %s", req.rid, "; ".join(why) or "TP > 1")
+                logger.warning("migration: %s stays here: %s", req.rid, "; ".join(why))
                 continue
-            self.cutting.append(Away(req, to, Source.new(self.node.endpoints[0].address)))
-        if self.cutting:
-            leaving = {id(a.req) for a in self.cutting}
-            keep = [i for i, r in enumerate(batch.reqs) if id(r) not in leaving]
-            if len(keep) != len(batch.reqs):
-                batch.filter_batch(keep_indices=keep)
-                batch.batch_is_full = False
+            self.deciding[req.rid] = (req, to)
+            cut.append(req.rid)
+        if cut:
+            self.lock.send(MigrationCut(tuple(cut)))  # every rank: out of the batch (_cut_applied here)
+
+    def _cut_applied(self, item: MigrationCut, reqs: list[Any]) -> None:
+        """Every rank took `reqs` out of its batch (lockstep.py); here they begin to leave."""
+        found = {r.rid for r in reqs}
+        # cut during a step: held at the next; cut by the broadcast, before a step: the one after
+        step = self.steps if self._in_step else self.steps + 1
+        for rid in item.rids:
+            req, to = self.deciding.pop(rid, (None, ""))
+            if req is None:
+                continue
+            if rid in found:
+                self.cutting.append(Away(req, to, Source.new(self.node.endpoints[0].address), cut_step=step))
+            else:  # it finished or was retracted before the cut reached the ranks: nothing moves
+                setattr(req, CUT_ATTR, False)
 
     def _hold_cut(self) -> None:
         """Requests cut one iteration ago: what was in flight for them is processed now."""
-        cutting, self.cutting = self.cutting, []
-        for a in cutting:
+        due = [a for a in self.cutting if a.cut_step < self.steps]
+        self.cutting = [a for a in self.cutting if a.cut_step >= self.steps]
+        for a in due:
             req = a.req
             if req.finished():  # it ended in the batch that was in flight: SGLang finished it
+                self.lock.send(MigrationSettled(req.rid, Outcome.GONE))
                 continue
             try:
                 a.carried = Carried.of(req, self.speculative, self.deterministic)
@@ -221,8 +255,8 @@ class Outgoing:
             logger.info("migration: %s cut after %d output tokens, to %s", req.rid, len(req.output_ids), a.to)
 
     def _handed(self, a: Away) -> None:
-        """Every write completed: A's pages go; the request lives on B, relayed here."""
-        release(self.sched, a.req)
+        """Every write completed: A's pages go (every rank); the request lives on B, relayed here."""
+        self.lock.send(MigrationSettled(a.req.rid, Outcome.HANDED))
         a.handed = time.monotonic()
         self.changed = True
         self._unsent(a)
@@ -256,11 +290,9 @@ class Outgoing:
         self.source.drop(str(a.source.handle))  # held with no write posted (posted ones settled first)
         if a.aborted:
             self._finish(a, {"type": "abort", "message": "aborted"})
-            release(self.sched, a.req)
+            self.lock.send(MigrationSettled(a.req.rid, Outcome.ENDED))
             return
-        release(self.sched, a.req, checkpoint=True)  # the tree keeps its KV: re-running it here is cheap
-        a.req.reset_for_retract()
-        self.sched.waiting_queue.append(a.req)
+        self.lock.send(MigrationSettled(a.req.rid, Outcome.BACK))  # every rank: to the waiting queue
         self.returned.append(a.req)  # counted as running here until it runs or moves again
 
     def _unsent(self, a: Away) -> None:

@@ -69,8 +69,6 @@ class Targets:
         link = None
         if not reasons:
             try:
-                if self.m.ranks.size != 1:
-                    raise ValueError("this decoder has TP > 1: it migrates nothing yet")
                 for key in [k for k, x in self.peers.items() if x.peers[0].state is not PeerState.CONNECTED]:
                     del self.peers[key]  # a decoder that went away: its slot is free again
                 if len(self.peers) >= MAX_PEERS and peer.id not in self.peers:

@@ -1,0 +1,92 @@
+"""Live migration from a TP 2 decoder to a TP 1 one (issue 43), over libfabric tcp, on real
+SGLang servers: A's leader decides each cut and each settling, every rank applies it in the
+same scheduler iteration (messenger/migration/lockstep.py), and A's leader writes both
+ranks' head shards into B's pages (the prefill-to-decode planner, TP 2 -> 1).
+
+- a request cut after 5 and after 50 tokens ends exactly as the same request never moved
+  (and as the colocated server), A wrote the request's KV and nothing more (the floor);
+- a migration whose target dies leaves the request on A (both ranks take it back into their
+  waiting queue together): exact again;
+- a drain moves 4 concurrent streams while A's batch keeps changing: each ends exact.
+A and B hold no request and no page after each.
+
+Stack: decoder_pair (test_migration.py) with A's decoder at TP 2."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from sglang_disagg.launch.client import generate_ids
+from sglang_disagg.messenger.planner import pages_for
+
+from .conftest import OUTPUT_TOKENS
+from .faultlib import wait_for, wait_released
+from .test_migration import (LONG, FaultyTarget, Streamed, _decoder, _drain, _free, _m, _migrations, _served,
+                             _traced, decoder_pair)
+from .faultlib import value
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def tp_pair(tmp_path_factory, references):
+    references("tiny-llama")  # the colocated reference first: one stack at a time on 2 cores
+    with decoder_pair(tmp_path_factory.mktemp("migration-tp2"), "tiny-llama", "libfabric", "tcp", a_tp=2) as pair:
+        yield pair
+
+
+def test_a_tp2_decoder_hands_a_request_to_a_tp1_one_after_5_and_50_tokens_exact(tp_pair, references):
+    a, b = tp_pair
+    assert a.cfg.decode_tp == 2 and b.cfg.decode_tp == 1
+    prompts, outputs = references("tiny-llama")
+    url, prompt = _decoder(a).url, prompts[-2]
+    plain = generate_ids(url, prompt, LONG, rid="plain-tp2")
+    assert plain[:OUTPUT_TOKENS] == outputs[-2], "A at TP 2 gives the colocated tokens"
+    for n, k in enumerate((5, 50), 1):
+        served = _served(a)
+        got = generate_ids(url, prompt, LONG, rid=f"migrate-after-{k}-tp2")
+        assert got == plain, f"migrated TP 2 -> 1 after {k} tokens: {got} != unmigrated {plain}"
+        assert _served(a) == served + 1, "one prefill order (A's own): nothing recomputed for B"
+        stats = _traced(a, n)
+        trace = stats["migrations"][-1]
+        assert trace["outputs_at_cut"] == k and trace["kv_tokens"] == len(prompt) + k - 1, trace
+        # kv_page_bytes: one page of every layer, each KV head once (both ranks' shards together)
+        floor = pages_for(trace["kv_tokens"], stats["page_size"]) * stats["kv_page_bytes"]
+        assert trace["bytes"] == floor, f"A wrote {trace['bytes']} bytes, the request's KV is {floor}"
+        print(f"\nmigration | TP 2 -> 1 after {k}: {trace['kv_tokens']} tokens of KV, {trace['bytes']} bytes "
+              f"({trace['writes']} writes), hand-over {trace['hand_over_s'] * 1000:.1f} ms")
+    dying, failed = FaultyTarget(), _migrations(a, "failed")
+    got = generate_ids(url, prompts[4], OUTPUT_TOKENS, rid=f"migrate-after-5-port-{dying.port}-tp2")
+    dying.close()
+    assert dying.hits == 1, "the migration never reached the target"
+    assert got == outputs[4], "the request went back to both ranks' queues and continued on A, exact"
+    assert _migrations(a, "failed") == failed + 1
+    _free(a, b)
+
+
+def test_a_drain_of_a_tp2_decoder_moves_its_streams_while_its_batch_changes(tp_pair, references):
+    a, b = tp_pair
+    prompts, _ = references("tiny-llama")
+    url, n = _decoder(a).url, 120
+    chosen = [prompts[k] for k in (2, 3, 4, 5)]
+    plain = [generate_ids(url, p, n, rid=f"plain-tp2-drain-{i}") for i, p in enumerate(chosen)]
+    handed = _migrations(a, "handed_over")
+    streams = [Streamed(url, p, n, f"tp2-drain-{i}") for i, p in enumerate(chosen)]
+    wait_for("every stream decoding", lambda: all(t.events >= 5 for t in streams), 60, 0.01)
+    code, body = _drain(a, "POST", {"to": [b.url]})
+    assert code == 202 and body["draining"], body
+    t0 = time.monotonic()
+    wait_for("the drained decoder holding nothing", lambda: _drain(a)[1].get("done"), 20, 0.05)
+    t_free, leaked = wait_released(a.cfg.host, a.cfg.ports.decode_metrics, t0, 10.0)
+    assert leaked == 0
+    for t in streams:
+        t.join(120)
+    assert [t.err for t in streams] == [None] * len(streams), [repr(t.err) for t in streams]
+    for i, t in enumerate(streams):
+        assert t.out == plain[i], f"stream {i}: drained from TP 2 != unmigrated"
+    assert _migrations(a, "handed_over") - handed == len(streams)
+    assert value(_m(a), "sglang_disagg_migration_relays") == 0
+    _free(a, b)
+    print(f"\nmigration | drain of {len(streams)} streams from a TP 2 decoder: A held nothing {t_free:.2f}s after")
