@@ -61,6 +61,7 @@ FIELDS = {"role": "role", "model_path": "model", "port": "port", "host": "host",
           "page_size": "page_size", "prefill_url": "prefill_urls", "decode_url": "decode_urls",
           "prefill_messenger": "prefill_messengers", "log_dir": "log_dir", "startup_timeout": "startup_timeout_s",
           "transfer_timeout": "transfer_timeout_s", "link_recheck": "link_recheck_s",
+          "migration_rate": "migration_rate_mb_s",
           "sse_keepalive_secs": "sse_keepalive_s", "drain_timeout": "drain_timeout_s", "pin_cores": "pin_cores",
           "drain_mode": "drain_mode", "router": "router_url", "member_url": "member_url",
           "stream": "stream", "decode_prefix_reuse": "reuse_prefix",
@@ -113,6 +114,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="messenger: a decoder asks prefill only for the pages its radix cache lacks")
     ap.add_argument("--transfer-timeout", type=float, default=60.0,
                     help="messenger: seconds a decoder waits for a request's KV before failing it")
+    ap.add_argument("--migration-rate", type=float, default=0.0, metavar="MB_S",
+                    help="decode: cap on the bytes/s (in MB/s) this decoder's outgoing live migrations write "
+                         "together, so a drain does not starve the links' other traffic (0: no cap)")
     ap.add_argument("--link-recheck", type=float, default=1.0,
                     help="messenger: seconds a decoder keeps a prefill server whose last requests failed out "
                          "of use before trying it again (doubling while it keeps failing, up to 30)")

@@ -206,7 +206,8 @@ def messenger_config(cfg: LaunchConfig, role: Role, log_dir: Path | None = None)
         return MessengerConfig(role=MessengerRole.PREFILL, port=ports.bootstrap, metrics_port=ports.prefill_metrics,
                                **common)
     prefill = cfg.prefill_messengers or (f"{cfg.host}:{ports.bootstrap}",)
-    return MessengerConfig(role=MessengerRole.DECODE, prefill=prefill, metrics_port=ports.decode_metrics, **common)
+    return MessengerConfig(role=MessengerRole.DECODE, prefill=prefill, metrics_port=ports.decode_metrics,
+                           migration_rate_bps=cfg.migration_rate_mb_s * 1e6, **common)
 
 
 def _messenger_server(cfg: LaunchConfig, role: Role, argv: list[str], log_dir: Path | None) -> tuple:

@@ -156,6 +156,7 @@ class LaunchConfig:
     router_url: str | None = None
     member_url: str | None = None  # None: http://--host:its port
     transfer_timeout_s: float = 60.0
+    migration_rate_mb_s: float = 0.0  # decoder: cap on its outgoing live migrations, MB/s (0: none)
     link_recheck_s: float = 1.0  # messenger: first wait before a failing prefill server is tried again
     # router: seconds of upstream silence before smg puts an SSE comment (": ping") on a stream;
     # 0 sends none, as a colocated SGLang server sends none (its own benchmark client reads
@@ -187,6 +188,8 @@ class LaunchConfig:
                 raise ValueError(reason)
         if not 0 <= self.sse_keepalive_s <= 86400:
             raise ValueError(f"--sse-keepalive-secs {self.sse_keepalive_s:g}: must be 0 (none) to 86400 seconds")
+        if not 0 <= self.migration_rate_mb_s < float("inf"):
+            raise ValueError(f"--migration-rate {self.migration_rate_mb_s:g}: must be 0 (no cap) or a positive MB/s")
         if self.max_total_tokens < 256:
             raise ValueError("--max-total-tokens must be >= 256")
         if self.page_size is not None and self.page_size < 1:

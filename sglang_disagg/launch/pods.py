@@ -49,6 +49,7 @@ def launcher_argv(cfg: LaunchConfig) -> list[str]:
                         ("--decode-attn-dp", "decode_attn_dp"), ("--prefill-dp", "prefill_dp"),
                         ("--decode-dp", "decode_dp"), ("--dtype", "dtype"), ("--max-total-tokens", "max_total_tokens"),
                         ("--page-size", "page_size"), ("--transfer-timeout", "transfer_timeout_s"),
+                        ("--migration-rate", "migration_rate_mb_s"),
                         ("--link-recheck", "link_recheck_s"), ("--sse-keepalive-secs", "sse_keepalive_s"),
                         ("--startup-timeout", "startup_timeout_s"), ("--drain-timeout", "drain_timeout_s"),
                         ("--drain-mode", "drain_mode"), ("--router", "router_url"), ("--member-url", "member_url"),

@@ -44,7 +44,9 @@ class MessengerConfig:
     `metrics_port`: where it serves them to Prometheus (0 = nowhere).
     `stream`: a prefill server posts each layer's writes as the forward passes that layer
     (False: a chunk's writes after its forward ends). `reuse_prefix`: a decoder asks only
-    for the pages after what its radix tree holds of a prompt (False: whole prompts)."""
+    for the pages after what its radix tree holds of a prompt (False: whole prompts).
+    `migration_rate_bps`: a decoder's outgoing live migrations together write at most this many
+    bytes per second (0 = no cap; migration/pacer.py)."""
 
     role: MessengerRole
     backend: str
@@ -61,6 +63,7 @@ class MessengerConfig:
     reuse_prefix: bool = True
     metrics_port: int = 0  # Prometheus endpoint of the leader (0 = none)
     rails: tuple[str, ...] = ()  # data-path interfaces, "ADDRESS/PREFIX" (BackendConfig.rails); (): host only
+    migration_rate_bps: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, MessengerRole):
@@ -86,6 +89,9 @@ class MessengerConfig:
             raise ConfigError("prefill: a decoder needs at least one prefill messenger address (host:port)")
         if self.role is MessengerRole.PREFILL and not self.port:
             raise ConfigError("port: a prefill server's messenger needs a fixed port for decoders to reach")
+        rate = self.migration_rate_bps
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < float("inf"):
+            raise ConfigError(f"migration_rate_bps: must be 0 (no cap) or a positive number of bytes/s, got {rate!r}")
         for name in ("transfer_timeout_s", "connect_timeout_s", "recheck_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value <= 0:

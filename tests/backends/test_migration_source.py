@@ -17,6 +17,7 @@ from sglang_disagg.backends import BackendConfig, available, create_backend
 from sglang_disagg.ipc.shm import shared_zeros
 from sglang_disagg.messenger import wire
 from sglang_disagg.messenger.planner import KVGeometry, Kind, rank_heads
+from sglang_disagg.messenger.migration.pacer import BURST_S, Pacer
 from sglang_disagg.messenger.migration.source import HeldState, MigrationRefused, MigrationSource
 
 SECRET = secrets.token_bytes(32)
@@ -140,6 +141,48 @@ def test_mla_latent_moves_from_one_source_replica(pair):
         for sp, dp in zip(held.pages, [0, 1, 2]):
             assert torch.equal(pb.page(layer, Kind.K, dp, 0), pa.page(layer, Kind.K, sp, 0))
     assert count == 3 * g.num_layers, "one write per page and layer into the single decode rank"
+
+
+def test_a_paced_migration_goes_out_as_credit_comes_and_lands_whole(pair):
+    """--migration-rate (pacer.py): the groups past the bucket wait as the held request's
+    `later` and go out as credit comes (a fake clock); the request is written only once the
+    last went out and landed, every byte where it belongs."""
+    a, b = pair
+    g = _geometry(kv_heads=2)
+    pa, pb = Pool(g, 1, fill=True), Pool(g, 1, fill=False)
+    a_regions, _ = pa.register(a)
+    _, b_descs = pb.register(b)
+    peer = a.connect(b.address, 5.0)
+    remote = {0: [peer.add_remote_region(x) for x in b_descs[0]]}
+    src, src_pages, dst_pages = MigrationSource(g, 1), [7, 2, 9], [3, 10, 0]
+    held = src.hold("req-p", src_pages, 3 * PS)
+    h, groups, count = src.plan(wire.MigrationOrder(rid="req-p", tag=88, num_tokens=3 * PS,
+                                                    dst_pages=tuple(dst_pages)), 1)
+    sizes = [gr.writes * gr.length for gr in groups]
+    clock = [0.0]
+    pacer = Pacer(1.5 * sizes[0] / BURST_S, now=lambda: clock[0])  # a bucket of 1.5 groups
+    landed = b.expect(88, count, 20.0)
+    now = pacer.take(sizes)
+    assert now == 2 < len(groups)
+    src.post(h, 88, groups, a, {0: peer}, a_regions, remote, hold_back=len(groups) - now)
+    rounds = 0
+    while held.later:
+        assert held.state is HeldState.WRITING, "not written while groups still wait for credit"
+        clock[0] += BURST_S
+        src.post_later(held, pacer.take(src.later_sizes(held)))
+        rounds += 1
+    assert rounds >= len(groups) // 2, f"{len(groups)} groups went out in {rounds} rounds of credit"
+    landed.wait(20.0)
+    import time
+    deadline = time.monotonic() + 10
+    while held.state is HeldState.WRITING and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert held.state is HeldState.WRITTEN and held.writes == count and held.nbytes == sum(sizes)
+    for layer in range(g.num_layers):
+        for kind in g.kinds:
+            for sp, dp in zip(held.pages, dst_pages):
+                for head in range(g.kv_heads):
+                    assert torch.equal(pb.page(layer, kind, dp, head), pa.page(layer, kind, sp, head))
 
 
 def _held(num_tokens: int = 2 * PS) -> MigrationSource:

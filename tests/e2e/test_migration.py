@@ -39,13 +39,14 @@ BACKENDS = [("shmem", None), ("libfabric", "tcp")]
 
 
 @contextlib.contextmanager
-def decoder_pair(root, model: str, backend: str, provider: str | None = None, a_tp: int = 1):
-    """A prefill server and decoder A (--role all, its test hook aimed at B; decode TP `a_tp`)
-    and decoder B (--role decode, TP 1) on the same prefill server; stopped on the way out."""
+def decoder_pair(root, model: str, backend: str, provider: str | None = None, a_tp: int = 1, **a_cfg):
+    """A prefill server and decoder A (--role all, its test hook aimed at B; decode TP `a_tp`,
+    more of its LaunchConfig in `a_cfg`) and decoder B (--role decode, TP 1) on the same
+    prefill server; stopped on the way out."""
     a_port, b_port = next_port(), next_port()
     b_url = f"http://127.0.0.1:{Ports(b_port).decode}"
     common = dict(model=model, backend=backend, provider=provider, max_total_tokens=4096, extra_args=COMMON_ARGS)
-    a = Stack.for_config(LaunchConfig(role=Role.ALL, port=a_port, log_dir=str(root / "a"), decode_tp=a_tp,
+    a = Stack.for_config(LaunchConfig(role=Role.ALL, port=a_port, log_dir=str(root / "a"), decode_tp=a_tp, **a_cfg,
                                       env=(("SGLANG_DISAGG_TEST_MIGRATE", f"to={b_url}"),), **common))
     b = None
     try:

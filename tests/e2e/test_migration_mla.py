@@ -1,5 +1,5 @@
-"""Live migration of an MLA request (tiny-deepseek-v3, float32): decoder A's latent KV pages move
-into decoder B's through the planner's replicated-latent path (one latent row per page and
+"""Live migration of an MLA request (tiny-deepseek-v3, float32), over Mooncake: decoder A's latent
+KV pages move into decoder B's through the planner's replicated-latent path (one latent row per page and
 layer), and the request cut after 5 output tokens ends exactly as on one colocated server;
 the bytes A wrote are the request's latent KV, the floor. Setup as test_migration.py (its own
 module so the dense stacks are gone before these start: one stack pair at a time on 2 cores)."""
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.e2e
 @pytest.fixture(scope="module")
 def mla_decoders(tmp_path_factory, deepseek_reference, stacks):
     stacks.close()  # the pool's reference stack would compete for the 2 cores
-    with decoder_pair(tmp_path_factory.mktemp("migration-mla"), MODEL, "shmem") as pair:
+    with decoder_pair(tmp_path_factory.mktemp("migration-mla"), MODEL, "mooncake") as pair:
         yield pair
 
 

@@ -1,5 +1,5 @@
-"""Live migration from a TP 2 decoder to a TP 1 one (issue 43), over libfabric tcp, on real
-SGLang servers: A's leader decides each cut and each settling, every rank applies it in the
+"""Live migration from a TP 2 decoder to a TP 1 one (issue 43), over NIXL (UCX), on real
+SGLang servers (test_migration.py covers shmem and libfabric tcp, test_migration_mla.py Mooncake): A's leader decides each cut and each settling, every rank applies it in the
 same scheduler iteration (messenger/migration/lockstep.py), and A's leader writes both
 ranks' head shards into B's pages (the prefill-to-decode planner, TP 2 -> 1).
 
@@ -8,7 +8,9 @@ ranks' head shards into B's pages (the prefill-to-decode planner, TP 2 -> 1).
 - a migration whose target dies leaves the request on A (both ranks take it back into their
   waiting queue together): exact again;
 - a drain moves 4 concurrent streams while A's batch keeps changing: each ends exact.
-A and B hold no request and no page after each.
+A and B hold no request and no page after each. A runs with ``--migration-rate`` (RATE_MB_S):
+no migration's KV went out faster than the cap allows (bytes <= rate x hand-over time + one
+bucket + one group), and the drain took at least what its bytes need at that rate.
 
 Stack: decoder_pair (test_migration.py) with A's decoder at TP 2."""
 
@@ -19,6 +21,7 @@ import time
 import pytest
 
 from sglang_disagg.launch.client import generate_ids
+from sglang_disagg.messenger.migration.pacer import BURST_S
 from sglang_disagg.messenger.planner import pages_for
 
 from .conftest import OUTPUT_TOKENS
@@ -29,11 +32,20 @@ from .faultlib import value
 
 pytestmark = pytest.mark.e2e
 
+RATE_MB_S = 2.0  # a request here holds 0.45-0.6 MB of KV: 0.2-0.3 s at the cap, 10-70 ms without
+SLACK = RATE_MB_S * 1e6 * BURST_S + (64 << 10)  # one bucket, and one write group past it
+
+
+def _within_cap(trace: dict) -> None:
+    assert trace["bytes"] <= RATE_MB_S * 1e6 * trace["hand_over_s"] + SLACK, \
+        f"{trace['bytes']} bytes in {trace['hand_over_s']} s: faster than --migration-rate {RATE_MB_S} MB/s"
+
 
 @pytest.fixture(scope="module")
 def tp_pair(tmp_path_factory, references):
     references("tiny-llama")  # the colocated reference first: one stack at a time on 2 cores
-    with decoder_pair(tmp_path_factory.mktemp("migration-tp2"), "tiny-llama", "libfabric", "tcp", a_tp=2) as pair:
+    with decoder_pair(tmp_path_factory.mktemp("migration-tp2"), "tiny-llama", "nixl", None, a_tp=2,
+                      migration_rate_mb_s=RATE_MB_S) as pair:
         yield pair
 
 
@@ -55,6 +67,7 @@ def test_a_tp2_decoder_hands_a_request_to_a_tp1_one_after_5_and_50_tokens_exact(
         # kv_page_bytes: one page of every layer, each KV head once (both ranks' shards together)
         floor = pages_for(trace["kv_tokens"], stats["page_size"]) * stats["kv_page_bytes"]
         assert trace["bytes"] == floor, f"A wrote {trace['bytes']} bytes, the request's KV is {floor}"
+        _within_cap(trace)
         print(f"\nmigration | TP 2 -> 1 after {k}: {trace['kv_tokens']} tokens of KV, {trace['bytes']} bytes "
               f"({trace['writes']} writes), hand-over {trace['hand_over_s'] * 1000:.1f} ms")
     dying, failed = FaultyTarget(), _migrations(a, "failed")
@@ -87,6 +100,13 @@ def test_a_drain_of_a_tp2_decoder_moves_its_streams_while_its_batch_changes(tp_p
     for i, t in enumerate(streams):
         assert t.out == plain[i], f"stream {i}: drained from TP 2 != unmigrated"
     assert _migrations(a, "handed_over") - handed == len(streams)
+    traces = [t for t in _traced(a, 1)["migrations"] if str(t["rid"]).startswith("tp2-drain-")]
+    assert len(traces) == len(streams)
+    for trace in traces:
+        _within_cap(trace)
+    moved = sum(t["bytes"] for t in traces)
+    assert t_free >= (moved - SLACK) / (RATE_MB_S * 1e6), f"{moved} bytes left A in {t_free:.2f} s"
     assert value(_m(a), "sglang_disagg_migration_relays") == 0
     _free(a, b)
-    print(f"\nmigration | drain of {len(streams)} streams from a TP 2 decoder: A held nothing {t_free:.2f}s after")
+    print(f"\nmigration | drain of {len(streams)} streams from a TP 2 decoder at --migration-rate {RATE_MB_S}: "
+          f"{moved} bytes, A held nothing {t_free:.2f}s after (the cap's floor {moved / RATE_MB_S / 1e6:.2f}s)")

@@ -156,17 +156,29 @@ class MigrationSource:
             if h.state is HeldState.HELD or h.completed == h.posted:
                 h.state = HeldState.FAILED
 
-    def post_later(self, h: Held) -> None:
-        """Post the groups `post` held back (a stalled migration going on)."""
+    def post_later(self, h: Held, limit: int | None = None) -> None:
+        """Post the groups `post` held back (a stalled migration going on), or the first `limit`
+        of them (a paced one, pacer.py: the rest stay held back)."""
         with h._lock:
-            later, h.later = h.later, ()
-            if not later:
+            if not h.later:
                 return
-            if h.completed == h.posted and h.error:  # failed meanwhile: nothing more goes out
-                h.state = HeldState.FAILED
+            if h.error:  # failed meanwhile: nothing more goes out; FAILED once the posted drained
+                h.later = ()
+                if h.completed == h.posted:
+                    h.state = HeldState.FAILED
                 return
-        groups, backend, peers, regions, remote, wakeup = later
-        self.post(h, h.tag, list(groups), backend, peers, regions, remote, wakeup)
+            groups, backend, peers, regions, remote, wakeup = h.later
+            n = len(groups) if limit is None else max(0, limit)
+            now, keep = tuple(groups[:n]), tuple(groups[n:])
+            h.later = (keep, backend, peers, regions, remote, wakeup) if keep else ()
+        if now:
+            self.post(h, h.tag, list(now), backend, peers, regions, remote, wakeup)
+
+    @staticmethod
+    def later_sizes(h: Held) -> list[int]:
+        """The bytes of each group still held back, in order."""
+        with h._lock:
+            return [g.writes * g.length for g in h.later[0]] if h.later else []
 
     def drop(self, rid: str) -> bool:
         """Forget a held request no order came for (B gave up first); False if writes were posted

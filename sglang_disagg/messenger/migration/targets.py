@@ -22,6 +22,7 @@ from .. import compat, wire
 from ..orders import DecoderLink
 from ..planner import ShardPlan
 from .hook import STALL_S
+from .pacer import Pacer
 from .source import Held, MigrationRefused
 
 logger = logging.getLogger("sglang_disagg.migration")
@@ -38,6 +39,10 @@ class Targets:
         # drained; `answered` remembers the last MAX_ANSWERED settled orders for a late cancel
         self.cancels: list[tuple[Any, wire.Cancel]] = []
         self.answered: collections.OrderedDict[tuple[str, int], int] = collections.OrderedDict()
+        # the bandwidth cap (--migration-rate, pacer.py) and the held requests waiting for its credit
+        self.pacer = Pacer(getattr(self.m.cfg, "migration_rate_bps", 0.0))
+        self.paced: list[Held] = []
+        self._timer = False
 
     def on(self, peer: Any, msg: wire.Message) -> None:
         if isinstance(msg, wire.Hello):
@@ -52,6 +57,22 @@ class Targets:
         for due, h in [x for x in self.stalled if x[0] <= now]:
             self.stalled.remove((due, h))
             self.source.post_later(h)
+        for h in list(self.paced):  # first come, first served: the bucket is the decoder's
+            self.source.post_later(h, self.pacer.take(self.source.later_sizes(h)))
+            if not h.later:
+                self.paced.remove(h)
+        self._wake_for_credit()
+
+    def _wake_for_credit(self) -> None:
+        """A paced migration waits for credit: wake the scheduler then (it may have nothing else)."""
+        wait = self.pacer.wait_s() if self.paced else 0.0
+        if self.paced and not self._timer:
+            self._timer = True
+
+            def wake() -> None:
+                self._timer = False
+                self.node.wakeup.set()
+            threading.Timer(max(wait, 0.002), wake).start()
 
     def settled(self, h: Held) -> None:
         if h.tag_of:  # what B's Cancel for it is answered with from now on
@@ -109,6 +130,12 @@ class Targets:
             hold_back = len(groups) // 2  # the fault injector: the rest goes out STALL_S later
             self.stalled.append((time.monotonic() + STALL_S, h))
             threading.Timer(STALL_S, self.node.wakeup.set).start()
+        elif self.pacer.enabled:
+            # queued behind the migrations already waiting for credit: none overtakes another
+            now = 0 if self.paced else self.pacer.take([g.writes * g.length for g in groups])
+            hold_back = len(groups) - now
+            if hold_back:
+                self.paced.append(h)
         self.source.post(h, order.tag, groups, self.m.backend, link.peers, self.node.regions, link.remote,
                          self.node.wakeup.set, hold_back)
 
