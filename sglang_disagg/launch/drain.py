@@ -96,7 +96,8 @@ def drain(target: DrainTarget, admin_key: str, *, router: str | None = None, to:
     status, last, poll = {}, None, _Poll(target, admin_key)
     while True:
         status = poll() or status
-        shown = {k: status.get(k) for k in ("running", "migrating", "migrated", "failed", "refused", "relaying")}
+        shown = {k: status.get(k) for k in ("running", "migrating", "migrated", "failed", "refused", "relaying",
+                                            "waiting")}
         if shown != last and "running" in status:  # the scheduler publishes from its next iteration
             say("drain: " + ", ".join(f"{k} {v}" for k, v in shown.items()))
             last = shown
@@ -135,7 +136,7 @@ def relaying(target: DrainTarget, admin_key: str) -> Callable[[], bool]:
             last[0] = poll() or last[0]
         except DrainFailed:
             return False
-        return bool(last[0].get("relaying")) and not last[0].get("running")
+        return bool(last[0].get("relaying")) and not last[0].get("running") and not last[0].get("waiting")
     return still
 
 

@@ -91,6 +91,8 @@ def test_a_stop_waits_for_relays_through_a_silent_door_and_not_past_it(served, m
     assert still() is True
     door.publish({"draining": True, "running": 1, "relaying": 2, "done": False})
     assert still() is False, "something still runs here: not only relays"
+    door.publish({"draining": True, "running": 0, "waiting": 1, "relaying": 2, "done": False})
+    assert still() is False, "a request still waits for its first token here: not only relays"
     door.publish({"draining": True, "running": 0, "relaying": 2, "done": True})
     assert still() is True
     silent = launch_drain.relaying(launch_drain.DrainTarget("http://127.0.0.1:1", "http://127.0.0.1:9/drain"), KEY)

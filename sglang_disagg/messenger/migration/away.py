@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import wire
+from ..entry import Phase
 from ..kvpool import page_ids
 from .carry import Carried, refusals
 from .drain import MAX_IN_FLIGHT, DrainDoor
@@ -43,6 +44,7 @@ from .targets import Targets
 
 logger = logging.getLogger("sglang_disagg.migration")
 CUT_ATTR = "sglang_disagg_migrated"
+WAITING = (Phase.MEMORY, Phase.ROUTE, Phase.TRANSFER)  # a messenger entry that is a request to come
 TRIED_ATTR = "sglang_disagg_migration_tried"  # the targets a request failed to move to (a drain tries the others)
 
 
@@ -157,21 +159,25 @@ class Outgoing:
         seen = in_batch | {id(r) for r in self.sched.waiting_queue}
         self.returned = [r for r in self.returned if not r.finished() and not getattr(r, CUT_ATTR, False)
                          and id(r) not in in_batch]  # back in the batch: counted there from now on
-        running = len(seen) + sum(1 for r in self.returned if id(r) not in seen)
+        # Waiting: no output token yet, receiving its KV (the messenger's) or queued for its first
+        # step (SGLang's). Each migrates once it has a token; until then the drain is not done.
+        fresh = sum(1 for r in self.sched.waiting_queue if not r.output_ids)
+        waiting = fresh + sum(1 for e in self.m.entries.values() if e.phase in WAITING)
+        running = len(seen) - fresh + sum(1 for r in self.returned if id(r) not in seen)
         relaying = sum(1 for a in self.away.values() if a.handed)
         since = {k: self.stats[k] - self.drain_base.get(k, 0) for k in self.stats}
-        self.door.publish({"draining": True, "to": list(self.draining), "running": running,
+        self.door.publish({"draining": True, "to": list(self.draining), "running": running, "waiting": waiting,
                            "migrating": len(self.away) - relaying + len(self.cutting) + len(self.deciding),
                            "relaying": relaying,
                            "migrated": since["migrations_handed_over"], "failed": since["migrations_failed"],
                            "refused": since["migrations_refused"], "last_failures": list(self.failures),
-                           "done": running == 0 and len(self.away) == relaying and not self.cutting
-                           and not self.deciding})
+                           "done": running == 0 and waiting == 0 and len(self.away) == relaying
+                           and not self.cutting and not self.deciding})
 
     def abort(self, recv_req: Any) -> None:
         from ..requests import abort_matches
 
-        for a in list(self.away.values()):
+        for a in [*self.away.values(), *self.cutting]:  # cut but not held yet: in no batch SGLang aborts in
             if abort_matches(recv_req, a.req.rid) and not a.aborted:
                 a.aborted = True
                 if a.relay is not None:
@@ -234,6 +240,17 @@ class Outgoing:
             req = a.req
             if req.finished():  # it ended in the batch that was in flight: SGLang finished it
                 self.lock.send(MigrationSettled(req.rid, Outcome.GONE))
+                continue
+            if getattr(req, "to_finish", None) is not None:
+                # SGLang marked it to finish at its next result (an abort that came before the cut
+                # reached the batch, a discarded output), which no batch here gives it now: it ends
+                # as SGLang would have ended it
+                req.finished_reason, req.to_finish = req.to_finish, None
+                self.sched.output_streamer.stream_output([req], False)
+                self.lock.send(MigrationSettled(req.rid, Outcome.ENDED))
+                continue
+            if a.aborted:  # the client left after the cut, before the hold (abort() found it here)
+                self._back(a, "the client left")
                 continue
             try:
                 a.carried = Carried.of(req, self.speculative, self.deterministic)

@@ -77,7 +77,7 @@ def refusals(req: Any, speculative: bool = False, deterministic: bool = False) -
     if speculative:
         out.append("speculative decoding (the draft's KV and hidden state are not carried yet)")
     if not req.output_ids:
-        out.append("no output token yet (a waiting request is handed over as a new one, not migrated)")
+        out.append("no output token yet (it migrates after its first)")
     if req.finished():
         out.append("already finished")
     return list(dict.fromkeys(out))
