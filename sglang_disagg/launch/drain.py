@@ -93,9 +93,9 @@ def drain(target: DrainTarget, admin_key: str, *, router: str | None = None, to:
     _door("POST", target.door, admin_key, {"to": list(targets)})
     say(f"draining {target.url}: running requests move to {', '.join(targets)}")
     deadline = time.monotonic() + timeout_s
-    status, last, poll = {}, None, _Poll(target, admin_key)
+    last, poll = None, _Poll(target, admin_key)
     while True:
-        status = poll() or status
+        status = poll()
         shown = {k: status.get(k) for k in ("running", "migrating", "migrated", "failed", "refused", "relaying",
                                             "waiting")}
         if shown != last and "running" in status:  # the scheduler publishes from its next iteration
@@ -107,36 +107,36 @@ def drain(target: DrainTarget, admin_key: str, *, router: str | None = None, to:
 
 
 class _Poll:
-    """GET of the door that rides out a short silence: {} while it has not answered for less
-    than UNREACHABLE_S, DrainFailed past that."""
+    """GET of the door that rides out a short silence: the last answer (`first` before any)
+    while it has not answered for less than UNREACHABLE_S, DrainFailed past that."""
 
-    def __init__(self, target: DrainTarget, admin_key: str) -> None:
-        self.target, self.key, self.silent_since = target, admin_key, 0.0
+    def __init__(self, target: DrainTarget, admin_key: str, first: dict | None = None) -> None:
+        self.target, self.key, self.last, self.silent_since = target, admin_key, first or {}, 0.0
 
     def __call__(self) -> dict:
         try:
-            status = _door("GET", self.target.door, self.key)
+            self.last = _door("GET", self.target.door, self.key)
         except DrainFailed:
             now = time.monotonic()
             self.silent_since = self.silent_since or now
             if now - self.silent_since >= UNREACHABLE_S:
                 raise
-            return {}
+            return self.last
         self.silent_since = 0.0
-        return status
+        return self.last
 
 
 def relaying(target: DrainTarget, admin_key: str) -> Callable[[], bool]:
     """What tells Stack.stop whether the drained decoder still relays migrated streams (and
     runs nothing else); a door silent for less than UNREACHABLE_S says yes."""
-    poll, last = _Poll(target, admin_key), [{"relaying": 1}]
+    poll = _Poll(target, admin_key, first={"relaying": 1})
 
     def still() -> bool:
         try:
-            last[0] = poll() or last[0]
+            status = poll()
         except DrainFailed:
             return False
-        return bool(last[0].get("relaying")) and not last[0].get("running") and not last[0].get("waiting")
+        return bool(status.get("relaying")) and not status.get("running") and not status.get("waiting")
     return still
 
 

@@ -145,6 +145,10 @@ class WriteGroup:
     def writes(self) -> int:
         return len(self.src_pages)
 
+    @property
+    def nbytes(self) -> int:
+        return len(self.src_pages) * self.length
+
 
 @dataclass(frozen=True, slots=True)
 class ShardPlan:

@@ -78,7 +78,7 @@ class ChunkWrites:
                 rec.posted_one(g.writes)
                 self.stats["writes_posted"] += g.writes
                 m.writes.inc(g.writes)
-                m.bytes.inc(g.writes * g.length)
+                m.bytes.inc(g.nbytes)
                 layer = None if groups is chunk.ready else g.layer  # streamed groups time the layers
                 fut.add_done_callback(lambda f, layer=layer, t=time.monotonic(): self._written(rec, f, layer, t))
         except Exception as e:  # noqa: BLE001 - the order fails; posted writes still drain

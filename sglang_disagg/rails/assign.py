@@ -61,6 +61,6 @@ def assign(groups: Sequence[Group], src_by_rank: Sequence[Sequence[str]], pairin
             start = rng.randrange(len(routes))
             orders[key] = routes[start:] + routes[:start]
         best = min(orders[key], key=lambda r: carried.get(r, 0))  # min keeps the first of equals: the drawn start
-        carried[best] = carried.get(best, 0) + g.writes * g.length
+        carried[best] = carried.get(best, 0) + g.nbytes
         out.append(best)
     return out

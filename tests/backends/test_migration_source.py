@@ -158,7 +158,7 @@ def test_a_paced_migration_goes_out_as_credit_comes_and_lands_whole(pair):
     held = src.hold("req-p", src_pages, 3 * PS)
     h, groups, count = src.plan(wire.MigrationOrder(rid="req-p", tag=88, num_tokens=3 * PS,
                                                     dst_pages=tuple(dst_pages)), 1)
-    sizes = [gr.writes * gr.length for gr in groups]
+    sizes = [gr.nbytes for gr in groups]
     clock = [0.0]
     pacer = Pacer(1.5 * sizes[0] / BURST_S, now=lambda: clock[0])  # a bucket of 1.5 groups
     landed = b.expect(88, count, 20.0)

@@ -206,16 +206,21 @@ class FaultyTarget:
             c.close()
 
 
+def dying_target_leaves_it_on_a(a: Stack, prompt: list[int], expected: list[int], tag: str) -> None:
+    """A request sent by the hook to a FaultyTarget that dies on it continues on A, exact."""
+    dying = FaultyTarget()
+    failed = _migrations(a, "failed")
+    got = generate_ids(_decoder(a).url, prompt, OUTPUT_TOKENS, rid=f"migrate-after-5-port-{dying.port}-{tag}")
+    dying.close()
+    assert dying.hits == 1, "the migration never reached the target"
+    assert got == expected, "the request continued on A, exact"
+    assert _migrations(a, "failed") == failed + 1
+
+
 def test_a_target_that_dies_on_the_request_leaves_it_on_the_first_decoder_exact(decoders, references):
     a, b = decoders
     prompts, outputs = references("tiny-llama")
-    dying = FaultyTarget()
-    failed = _migrations(a, "failed")
-    got = generate_ids(_decoder(a).url, prompts[4], OUTPUT_TOKENS, rid=f"migrate-after-5-port-{dying.port}-x")
-    dying.close()
-    assert dying.hits == 1, "the migration never reached the target"
-    assert got == outputs[4], "the request continued on A, exact"
-    assert _migrations(a, "failed") == failed + 1
+    dying_target_leaves_it_on_a(a, prompts[4], outputs[4], "x")
     _free(a, b)
 
 

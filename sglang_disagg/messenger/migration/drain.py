@@ -7,13 +7,13 @@ constant time; a decoder configured without one refuses every drain), body
 ``{"to": ["http://decoder-b:port", ...]}``: the decoders to move requests to (the caller, e.g.
 the router node's launcher, knows them). ``GET /drain`` (same key) reports progress: running,
 waiting (no output token yet), migrating, migrated, failed, refused, relaying, and whether it is
-done. Each running request with at least one
-output token migrates to the target with the fewest migrations from here in flight, at most
-MAX_IN_FLIGHT at once (a drain must not starve the decoders' own traffic); a request in a state
-that cannot move yet stays and finishes here (`refused` counts it). A waiting request (its KV
-still arriving, or queued for its first step) and one arriving while draining migrate after
-their first token (not handed over as new requests: their KV is here or on its way): telling the router to stop sending is the
-caller's (its worker list).
+done. Each running request with at least one output token migrates to the target with the
+fewest migrations from here in flight, at most MAX_IN_FLIGHT at once (a drain must not starve
+the decoders' own traffic); a request in a state that cannot move yet stays and finishes here
+(`refused` counts it). A waiting request (its KV still arriving, or queued for its first step)
+and one arriving while draining migrate after their first token (not handed over as new
+requests: their KV is here or on its way). Telling the router to stop sending is the caller's
+(its worker list).
 
 Threads: the HTTP thread only validates and posts the request (under the lock) and reads the
 status the scheduler thread publishes; the scheduler thread does everything else (away.py).

@@ -12,9 +12,9 @@ leader included. With one rank there is nothing to broadcast: the leader applies
 once (as decode.py routes at once).
 
 Scheduler-side contract (DecodeMessenger, every rank): ``apply(item)`` for a MigrationCut or
-MigrationSettled as the broadcast delivers it; returns the requests it touched (the leader's
-Outgoing follows them). The leader's ``send(item)`` applies at once (one rank) or queues for
-``inputs()`` (its next broadcast).
+MigrationSettled as the broadcast delivers it; a cut calls ``on_cut(item, reqs)`` with the
+requests it took out (the leader's Outgoing follows them). The leader's ``send(item)`` applies
+at once (one rank) or queues for ``inputs()`` (its next broadcast).
 
 Between its cut and its settling a request is in no batch and no queue on any rank: here,
 keyed by rid (bounded by what the leader cuts: MAX_HELD).

@@ -133,7 +133,7 @@ class MigrationSource:
                 with h._lock:
                     h.posted += 1
                     h.writes += g.writes
-                    h.nbytes += g.writes * g.length
+                    h.nbytes += g.nbytes
                 futures.append(fut)
         except Exception as e:  # noqa: BLE001 - the migration fails; what was posted still drains
             with h._lock:
@@ -178,7 +178,7 @@ class MigrationSource:
     def later_sizes(h: Held) -> list[int]:
         """The bytes of each group still held back, in order."""
         with h._lock:
-            return [g.writes * g.length for g in h.later[0]] if h.later else []
+            return [g.nbytes for g in h.later[0]] if h.later else []
 
     def drop(self, rid: str) -> bool:
         """Forget a held request no order came for (B gave up first); False if writes were posted

@@ -65,14 +65,14 @@ class Targets:
 
     def _wake_for_credit(self) -> None:
         """A paced migration waits for credit: wake the scheduler then (it may have nothing else)."""
-        wait = self.pacer.wait_s() if self.paced else 0.0
-        if self.paced and not self._timer:
-            self._timer = True
+        if not self.paced or self._timer:
+            return
+        self._timer = True
 
-            def wake() -> None:
-                self._timer = False
-                self.node.wakeup.set()
-            threading.Timer(max(wait, 0.002), wake).start()
+        def wake() -> None:
+            self._timer = False
+            self.node.wakeup.set()
+        threading.Timer(max(self.pacer.wait_s(), 0.002), wake).start()
 
     def settled(self, h: Held) -> None:
         if h.tag_of:  # what B's Cancel for it is answered with from now on
@@ -132,7 +132,7 @@ class Targets:
             threading.Timer(STALL_S, self.node.wakeup.set).start()
         elif self.pacer.enabled:
             # queued behind the migrations already waiting for credit: none overtakes another
-            now = 0 if self.paced else self.pacer.take([g.writes * g.length for g in groups])
+            now = 0 if self.paced else self.pacer.take([g.nbytes for g in groups])
             hold_back = len(groups) - now
             if hold_back:
                 self.paced.append(h)
