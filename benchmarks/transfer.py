@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import statistics
 import subprocess
 import sys
@@ -36,6 +37,14 @@ TARGETS = [("libfabric", "tcp"), ("nixl", None), ("mooncake", None), ("shmem", N
 ENV = {**os.environ, "UCX_NET_DEVICES": "lo", "GLOG_minloglevel": "2", "NIXL_LOG_LEVEL": "WARN"}
 
 
+def _readable(f, timeout: float) -> bool:
+    """Whether `f` has something to read within `timeout` s. poll, not select: select() fails
+    outright on a descriptor numbered 1,024 or more, which a long test process reaches."""
+    p = select.poll()
+    p.register(f, select.POLLIN)
+    return bool(p.poll(timeout * 1000))
+
+
 class Endpoint:
     def __init__(self, backend: str, provider: str | None) -> None:
         self.p = subprocess.Popen([sys.executable, str(HERE / "transfer_worker.py")], stdin=subprocess.PIPE,
@@ -43,10 +52,9 @@ class Endpoint:
         self.address = self.call("init", backend=backend, provider=provider)["address"]
 
     def call(self, op: str, timeout: float = 300.0, **kw) -> dict:
-        import select
         self.p.stdin.write(json.dumps({"op": op, **kw}) + "\n")
         self.p.stdin.flush()
-        if not select.select([self.p.stdout], [], [], timeout)[0]:
+        if not _readable(self.p.stdout, timeout):
             self.p.kill()
             raise RuntimeError(f"benchmark worker: no answer to {op} in {timeout} s")
         line = self.p.stdout.readline()

@@ -12,6 +12,12 @@ Stack starts are counted: every `Stack.start` (e2e) and `Deployment.start` (name
 with its configuration and seconds; the terminal summary lists the total and the configurations
 started more than once, so a change that starts the same stack again shows up in the CI log
 (server start-up is most of the suite's time on 2 cores).
+
+File descriptors are counted too: the test process's open descriptors before and after each
+test, summed per module, with the peak, the final count and what the descriptors are. A module
+that leaves sockets, pipes or memfds open shows up by name; under CI a peak above FD_BUDGET
+fails the run (a suite that leaked past 1,024 once made an unrelated test's ``select()`` fail,
+far from the leak).
 """
 
 from __future__ import annotations
@@ -24,6 +30,10 @@ import tomllib
 import pytest
 
 _STARTS: list[tuple[str, float, str]] = []  # (configuration, seconds, the test that started it)
+_FDS: collections.Counter = collections.Counter()  # module -> descriptors its tests left open
+_FD_DIR = "/proc/self/fd"
+FD_BUDGET = 512  # the test process's own descriptors; the whole suite peaks far below
+_PEAK = [0, ""]  # descriptors, the test after which they peaked
 
 
 def in_ci() -> bool:
@@ -38,6 +48,40 @@ def pytest_runtest_makereport(item, call):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
         report.longrepr = f"skipped in CI (CI=true), which counts as a failure: {reason}"
+
+
+def _open_fds() -> list[str]:
+    out = []
+    for fd in os.listdir(_FD_DIR):
+        try:
+            out.append(os.readlink(f"{_FD_DIR}/{fd}"))
+        except OSError:  # the descriptor listdir itself used, closed since
+            pass
+    return out
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    before = len(os.listdir(_FD_DIR)) if os.path.isdir(_FD_DIR) else 0
+    yield
+    if before:
+        after = len(os.listdir(_FD_DIR))
+        _FDS[item.nodeid.split("::")[0]] += after - before
+        if after > _PEAK[0]:
+            _PEAK[:] = [after, item.nodeid]
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if in_ci() and _PEAK[0] > FD_BUDGET and exitstatus == 0:
+        session.exitstatus = 1  # reported in the "file descriptors" section
+
+
+def _kind(target: str) -> str:
+    if target.startswith(("socket:", "pipe:")):
+        return target.split(":")[0]
+    if target.startswith("anon_inode:"):
+        return target
+    return "file " + os.path.dirname(target)
 
 
 def _stack_label(stack) -> str:
@@ -87,9 +131,21 @@ def _count_stack_starts():
 
 
 def pytest_terminal_summary(terminalreporter):
+    tr = terminalreporter
+    if _FDS:
+        held = _open_fds()
+        tr.section("file descriptors")
+        tr.write_line(f"{len(held)} open at the end: " + ", ".join(
+            f"{n} {k}" for k, n in collections.Counter(map(_kind, held)).most_common(6)))
+        tr.write_line(f"peak {_PEAK[0]} after {_PEAK[1]} (budget {FD_BUDGET})")
+        if in_ci() and _PEAK[0] > FD_BUDGET:
+            tr.write_line(f"FAILED: the test process held {_PEAK[0]} descriptors, more than {FD_BUDGET}: "
+                          "a leak; the modules that left the most open:", red=True)
+        for module, n in _FDS.most_common(8):
+            if n > 0:
+                tr.write_line(f"{n:+5d}  {module}")
     if not _STARTS:
         return
-    tr = terminalreporter
     total = sum(s for _, s, _ in _STARTS)
     tr.section("stack starts")
     tr.write_line(f"{len(_STARTS)} stacks started, {total:.0f} s waiting for them to come up")

@@ -1,7 +1,10 @@
 """Shared memory another process on the same host can map: allocation and lookup.
 
 ``shared_zeros`` gives a torch tensor whose pages live in a memfd (anonymous, freed with
-the last mapping or descriptor: nothing is left behind when a process is killed). The
+the last mapping or descriptor: nothing is left behind when a process is killed). Its
+descriptor stays open exactly as long as the tensor's memory (a peer opens the memfd through
+it) and is closed when the last tensor over that memory is collected, so a process that
+allocates and drops pools (tests, device checks) does not pile up descriptors. The
 messenger mode allocates KV pools with it, so that a same-host peer can write straight
 into them (the ``shmem`` transfer backend) and one process can map every rank's pool.
 
@@ -24,12 +27,10 @@ import mmap
 import os
 import re
 import secrets
-import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
-_keep: list[tuple[int, mmap.mmap]] = []  # descriptors and mappings behind shared tensors
-_lock = threading.Lock()
 
 
 class SharedMemoryError(RuntimeError):
@@ -47,8 +48,9 @@ def shared_zeros(shape: tuple[int, ...], dtype: Any, name: str = "sglang-disagg-
     fd = os.memfd_create(f"{name}-{secrets.token_hex(8)}", os.MFD_CLOEXEC)
     os.ftruncate(fd, nbytes)  # a fresh memfd reads as zeros
     buf = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    with _lock:
-        _keep.append((fd, buf))
+    # The tensor's storage holds `buf`; when the last tensor over it goes, so do the mapping and
+    # (here) the descriptor.
+    weakref.finalize(buf, os.close, fd)
     return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)
 
 

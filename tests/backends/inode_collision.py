@@ -48,6 +48,26 @@ def _next_memfd_inode() -> int:
         os.close(fd)
 
 
+def memfd_descriptor(tensor: Any) -> int:
+    """This process's descriptor of the memfd behind a shared_zeros tensor (held as long as the
+    tensor lives), found by the mapping's name, which is unique per allocation."""
+    addr = tensor.data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if lo <= addr < hi and len(parts) > 5:
+                name = parts[5].strip()
+                break
+        else:
+            raise AssertionError(f"{addr:#x} is not mapped")
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/self/fd/{fd}") == name:
+                return int(fd)
+    raise AssertionError(f"no descriptor of {name} is open")
+
+
 def memfd_tensor_and_colliding_file(nbytes: int) -> tuple[Any, int, str]:
     """A KV-like shared tensor (sglang_disagg.ipc.shm.shared_zeros, a memfd) and an open /dev/shm
     file of at least its size whose inode number is the memfd's. Returns (tensor, file fd, path)."""
@@ -66,7 +86,7 @@ def memfd_tensor_and_colliding_file(nbytes: int) -> tuple[Any, int, str]:
             steps += 1
             assert steps < MAX_STEPS, "could not advance the memfd inode counter"
         kv = shm.shared_zeros((nbytes,), torch.uint8, name="collision-kv")
-        kv_fd = shm._keep[-1][0]  # shared_zeros keeps the memfd's descriptor
+        kv_fd = memfd_descriptor(kv)
         target = os.fstat(kv_fd).st_ino
     os.close(reserved)
     while True:

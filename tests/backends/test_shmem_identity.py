@@ -17,7 +17,7 @@ import random
 import pytest
 import torch
 
-from inode_collision import memfd_tensor_and_colliding_file
+from inode_collision import memfd_descriptor, memfd_tensor_and_colliding_file
 from sglang_disagg.ipc import shm
 from sglang_disagg.backends import BackendConfig, create_backend
 
@@ -34,7 +34,7 @@ def collision():
 
 def test_locate_names_the_memfd_not_a_dev_shm_file_with_the_same_inode(collision) -> None:
     kv, fd, path = collision
-    assert os.fstat(fd).st_ino == os.stat(f"/proc/self/fd/{shm._keep[-1][0]}").st_ino  # the collision is real
+    assert os.fstat(fd).st_ino == os.fstat(memfd_descriptor(kv)).st_ino  # the collision is real
     b = shm.locate(kv.data_ptr(), NBYTES)
     assert os.readlink(b.path).startswith("/memfd:collision-kv-"), b
     st = os.stat(b.path)

@@ -27,6 +27,14 @@ ENV = {**os.environ, "UCX_NET_DEVICES": "lo", "GLOG_minloglevel": "2", "NIXL_LOG
        "PYTHONUNBUFFERED": "1"}
 
 
+def _readable(f, timeout: float) -> bool:
+    """Whether `f` has something to read within `timeout` s. poll, not select: select() fails
+    outright on a descriptor numbered 1,024 or more, which a long test process reaches."""
+    p = select.poll()
+    p.register(f, select.POLLIN)
+    return bool(p.poll(timeout * 1000))
+
+
 class WorkerError(AssertionError):
     def __init__(self, reply: dict) -> None:
         super().__init__(f"{reply['type']}: {reply['msg']}")
@@ -48,7 +56,7 @@ class Proc:
             raise AssertionError(f"worker exited (rc={self.p.returncode}); log: {self.tail()}")
         self.p.stdin.write(json.dumps({"op": op, **kw}) + "\n")
         self.p.stdin.flush()
-        ready, _, _ = select.select([self.p.stdout], [], [], rpc_timeout)
+        ready = _readable(self.p.stdout, rpc_timeout)
         if not ready:
             self.kill()
             raise AssertionError(f"worker did not answer {op} within {rpc_timeout} s; log: {self.tail()}")

@@ -59,8 +59,16 @@ def _name() -> str:
     return gw.socket_name(f"test-{os.getpid()}-{secrets.token_hex(4)}", SECRET)
 
 
+def _readable(f, timeout: float) -> bool:
+    """Whether `f` has something to read within `timeout` s. poll, not select: select() fails
+    outright on a descriptor numbered 1,024 or more, which a long test process reaches."""
+    p = select.poll()
+    p.register(f, select.POLLIN)
+    return bool(p.poll(timeout * 1000))
+
+
 def _line(proc: subprocess.Popen, timeout: float) -> str:
-    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    ready = _readable(proc.stdout, timeout)
     return proc.stdout.readline().decode() if ready else ""
 
 
@@ -225,10 +233,10 @@ class Nobody:
         os.close(out_w)
 
     def ready(self, timeout: float = 20.0) -> bool:
-        return bool(select.select([self._ready_r], [], [], timeout)[0]) and os.read(self._ready_r, 1) == b"1"
+        return bool(_readable(self._ready_r, timeout)) and os.read(self._ready_r, 1) == b"1"
 
     def report(self, timeout: float = 30.0) -> str:
-        assert select.select([self._out_r], [], [], timeout)[0], f"the child said nothing in {timeout} s"
+        assert _readable(self._out_r, timeout), f"the child said nothing in {timeout} s"
         return os.read(self._out_r, 200).decode()
 
     def __enter__(self) -> Nobody:

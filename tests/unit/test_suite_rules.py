@@ -52,3 +52,33 @@ def test_outside_ci_a_skip_stays_a_skip(tmp_path):
     r = run(tmp_path, None)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "1 passed, 1 skipped, 2 xfailed" in r.stdout, r.stdout
+
+
+LEAK = '''
+import os
+
+_held = []
+
+def test_leaks_pipes():
+    _held.extend(os.pipe() for _ in range(300))  # 600 descriptors, left open
+
+def test_clean():
+    os.close(os.dup(0))
+'''
+
+
+@pytest.mark.parametrize("ci", ["true", None])
+def test_descriptors_a_module_leaves_open_are_reported_and_fail_ci_past_the_budget(tmp_path, ci):
+    shutil.copy(RULES, tmp_path / "conftest.py")
+    (tmp_path / "test_leak.py").write_text(LEAK)
+    env = {k: v for k, v in os.environ.items() if k != "CI"} | ({"CI": ci} if ci else {})
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert "2 passed" in r.stdout, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert any(line.split() == ["+600", "test_leak.py"] for line in lines), r.stdout
+    assert "test_leak.py::test_leaks_pipes (budget 512)" in r.stdout, r.stdout
+    if ci:
+        assert r.returncode == 1 and "FAILED: the test process held" in r.stdout, r.stdout
+    else:
+        assert r.returncode == 0 and "FAILED" not in r.stdout, r.stdout
