@@ -11,7 +11,8 @@ without the prefill's KV gives different tokens, so the token comparison can fai
 messenger mode's partial faults, ``zero_kv:...``, are ``messenger/faults.py``.)
 
 ``SGLANG_DISAGG_KV_DUMP=DIR`` (``DUMP_ENV``): after an extend forward that completes a
-request's prompt, a server writes, for requests whose rid starts with ``kvdump-``, the K
+request's prompt, a server writes, for requests whose rid holds ``kvdump-`` (a migrated
+request's too: its rid on the new decoder is the old one with a suffix), the K
 and V rows of the prompt's slots from the target's pool and a speculative draft's, to
 ``DIR/<rid>.pt`` (on a messenger decoder all but the last slot arrived by transfer; the
 last one it computed itself, the draft's from the hidden state of its own forward). With
@@ -75,7 +76,7 @@ def dump_kv(scheduler: Any, batch: Any) -> None:
     draft = draft_pool(scheduler)
     for req in batch.reqs:
         n = len(req.origin_input_ids)
-        if not str(req.rid).startswith(PREFIX) or (getattr(req, "extend_end", None) or 0) < n or n < 2:
+        if PREFIX not in str(req.rid) or (getattr(req, "extend_end", None) or 0) < n or n < 2:
             continue
         slots = scheduler.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :n].long()
         dump = {"target": _rows(target, slots), "draft": _rows(draft, slots) if draft is not None else None}
@@ -85,7 +86,7 @@ def dump_kv(scheduler: Any, batch: Any) -> None:
 def dump_verified(scheduler: Any, req: Any, num_correct_drafts: int) -> None:
     """A verify step of `req` settled: append its accepted draft count (kvdump- rids)."""
     where = os.environ.get(DUMP_ENV)
-    if not where or getattr(scheduler, "tp_rank", 0) != 0 or not str(req.rid).startswith(PREFIX):
+    if not where or getattr(scheduler, "tp_rank", 0) != 0 or PREFIX not in str(req.rid):
         return
     with open(os.path.join(where, f"{req.rid}.steps"), "a") as f:
         f.write(f"{int(num_correct_drafts)}\n")

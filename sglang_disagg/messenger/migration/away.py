@@ -37,7 +37,7 @@ from .drain import MAX_IN_FLIGHT, DrainDoor
 from .metrics import MigrationMetrics
 from .hook import TestHook
 from .lockstep import MigrationCut, MigrationSettled, Outcome
-from .relay import Relay, finish_reason
+from .relay import Relay, finish_reason, merge_speculation
 from .room import Source
 from .source import Held, HeldState, MigrationSource
 from .targets import Targets
@@ -63,6 +63,7 @@ class Away:
     cut_at: float = field(default_factory=time.monotonic)
     aborted: bool = False
     pending: dict | None = None  # B's finish, seen before A's writes were all complete
+    spec_base: tuple[int, int, tuple[int, ...]] = (0, 0, ())  # A's speculative counters at the hold
 
 
 class Outgoing:
@@ -74,9 +75,8 @@ class Outgoing:
         args = self.sched.server_args
         self.api_key = getattr(args, "api_key", None)
         # what decides which requests can move (carry.py): a sampled one only under deterministic
-        # inference; nothing from a speculative decoder (its draft state is not carried yet)
+        # inference (a speculative decoder's draft KV moves with the target's: its view's layers)
         self.deterministic = bool(getattr(args, "enable_deterministic_inference", False))
-        self.speculative = bool(getattr(args, "speculative_algorithm", None))
         self.inbox: collections.deque[tuple[Any, wire.Message]] = collections.deque()
         self.cutting: list[Away] = []
         self.deciding: dict[str, tuple[Any, str]] = {}  # rid -> (request, target): cut, not applied yet
@@ -207,7 +207,7 @@ class Outgoing:
         cut = []
         for req, to in due:
             setattr(req, CUT_ATTR, True)
-            why = refusals(req, self.speculative, self.deterministic)
+            why = refusals(req, self.deterministic)
             if why:
                 self.stats["migrations_refused"] += 1
                 self.metrics.outcome("refused")
@@ -253,7 +253,10 @@ class Outgoing:
                 self._back(a, "the client left")
                 continue
             try:
-                a.carried = Carried.of(req, self.speculative, self.deterministic)
+                a.carried = Carried.of(req, self.deterministic)
+                a.spec_base = (int(getattr(req, "spec_verify_ct", 0) or 0),
+                               int(getattr(req, "spec_num_correct_drafts", 0) or 0),
+                               tuple(getattr(req, "spec_correct_drafts_histogram", None) or ()))
                 if a.carried.grammar:  # B's grammar accepts every output first (room.py: replay)
                     a.source = dataclasses.replace(a.source, replay=len(a.carried.outputs))
                 n = a.carried.kv_tokens
@@ -331,6 +334,7 @@ class Outgoing:
                 continue
             if new:
                 a.req.output_ids.extend(new)
+            merge_speculation(a.req, a.spec_base, a.relay.speculation())
             if error and not a.handed:
                 # B failed before the hand-over: with no write posted the request comes back now,
                 # else once A's writes settled (its pages may not be reused before).

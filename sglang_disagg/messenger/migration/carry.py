@@ -21,11 +21,16 @@ would restart at zero on B. Carried by arithmetic: the output budget (max_new_to
 the minimum (min_new_tokens - k), usage (A's relay adds k completion tokens and reports
 A's prompt length); a grammar (JSON schema, regex, EBNF) by replay: B compiles it and
 advances it over the k outputs before its first step (room.py carries k, under the MAC),
-so it masks the next token as A's would have. Not carried yet, each refused with its
-reason (REFUSALS): penalties over output tokens, a structural tag, stop strings (one may
-straddle the cut), logprobs (B would report them over the wrong span),
-sampling without deterministic inference, speculative decoding (the draft's KV and hidden state), n > 1,
-LoRA, custom logit processors, hidden-state returns.
+so it masks the next token as A's would have. A speculative decoder's draft (EAGLE, NEXTN,
+STANDALONE) moves as on the prefill hand-off: the draft's KV layers are registered after the
+target's, so A writes them in the same plan and B counts them, and B runs the last output
+through target and draft (no hidden state crosses); both decoders must run the same draft
+(first contact compares it). B's first step is that extend, where A's next step would have
+verified a draft: from there B's verify steps accept what a decoder handed the same tokens by
+a prefill server accepts (the tokens are A's either way). Not carried yet, each refused with
+its reason (REFUSALS): penalties over output tokens, a structural tag, stop strings (one may
+straddle the cut), logprobs (B would report them over the wrong span), sampling without
+deterministic inference, n > 1, LoRA, custom logit processors, hidden-state returns.
 """
 
 from __future__ import annotations
@@ -68,14 +73,12 @@ def sampled(req: Any) -> bool:
     return _get(req, "sampling_params.top_k") != 1
 
 
-def refusals(req: Any, speculative: bool = False, deterministic: bool = False) -> list[str]:
+def refusals(req: Any, deterministic: bool = False) -> list[str]:
     """Why `req` (an SGLang Req) cannot migrate now from a decoder running deterministic inference
     or not; empty when it can."""
     out = [reason for path, bad, reason in REFUSALS if bad(_get(req, path))]
     if sampled(req) and not deterministic:
         out.append(SAMPLED_NEEDS)
-    if speculative:
-        out.append("speculative decoding (the draft's KV and hidden state are not carried yet)")
     if not req.output_ids:
         out.append("no output token yet (it migrates after its first)")
     if req.finished():
@@ -99,9 +102,6 @@ def migration_refused(server_args: Any, req: Any, replay: int = 0) -> None:
         except Exception as e:  # noqa: BLE001 - any grammar backend's refusal, with its reason
             raise SourceError(f"the request's grammar does not accept its outputs here: {str(e)[:200]}") from None
 
-    if getattr(server_args, "speculative_algorithm", None):
-        raise SourceError("this decoder runs speculative decoding: it takes no migrated request yet (the "
-                          "draft model holds no KV for it)")
     if sampled(req) and not getattr(server_args, "enable_deterministic_inference", False):
         raise SourceError("a sampled request migrates only to a decoder with --enable-deterministic-inference")
 
@@ -142,9 +142,9 @@ class Carried:
             raise ValueError(f"a request with {len(self.outputs)} of {self.max_new_tokens} output tokens is done")
 
     @classmethod
-    def of(cls, req: Any, speculative: bool = False, deterministic: bool = False) -> Carried:
+    def of(cls, req: Any, deterministic: bool = False) -> Carried:
         """The state of SGLang Req `req` at the cut; MigrationRefused naming every reason it cannot move."""
-        why = refusals(req, speculative, deterministic)
+        why = refusals(req, deterministic)
         if why:
             raise MigrationRefused(f"request {req.rid} cannot migrate: " + "; ".join(why))
         sp = req.sampling_params

@@ -10,6 +10,10 @@ request's handle as the room): B's messenger then orders the KV from A instead o
 server. Closing the relay closes the connection, which B's front end takes as the client's
 departure and aborts the request there (patch tokenizer_manager-abort-a-departed-client).
 
+A speculative request's counters (verify steps, accepted drafts, the acceptance histogram) are
+B's for B's steps: A reports its own from before the cut plus B's latest (`merge_speculation`),
+so the client's totals count every verify step the request had, on either decoder.
+
 Thread contract: the relay thread only appends to `tokens`/sets `finish` or `error` under the
 lock and wakes the scheduler; the scheduler thread takes them with `take()`.
 """
@@ -28,6 +32,7 @@ from ...threads import Thread as NamedThread
 
 logger = logging.getLogger("sglang_disagg.migration")
 MAX_LINE = 1 << 20  # one SSE event of B's stream (its cumulative ids of one request)
+MAX_HISTOGRAM = 256  # drafts one verify step can accept (SGLang's draft tokens per step, far below)
 
 
 @dataclass(slots=True, eq=False)
@@ -41,6 +46,7 @@ class Relay:
     taken: int = 0
     finish: dict | None = None    # B's finish_reason when its stream ended
     error: str = ""
+    spec: tuple[int, int, tuple[int, ...]] = (0, 0, ())  # B's verify steps, accepted drafts, histogram
     _conn: Any = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _closed: bool = False
@@ -134,7 +140,35 @@ class Relay:
                 self.tokens.extend(ids)
             if meta.get("finish_reason"):
                 self.finish = dict(meta["finish_reason"])
+            self.spec = _speculation(meta) or self.spec
         self.wake()
+
+    def speculation(self) -> tuple[int, int, tuple[int, ...]]:
+        with self._lock:
+            return self.spec
+
+
+def _speculation(meta: dict) -> tuple[int, int, tuple[int, ...]] | None:
+    """B's cumulative speculative counters from one event's meta_info, or None without them
+    (SGLang reports them once a verify step ran). Checked: B is a peer, not us."""
+    verify, correct, hist = (meta.get(k) for k in ("spec_verify_ct", "spec_num_correct_drafts",
+                                                   "spec_correct_drafts_histogram"))
+    if not isinstance(verify, int) or verify <= 0:
+        return None
+    hist = hist if isinstance(hist, list) and len(hist) <= MAX_HISTOGRAM and \
+        all(isinstance(x, int) and x >= 0 for x in hist) else []
+    return verify, correct if isinstance(correct, int) and correct >= 0 else 0, tuple(hist)
+
+
+def merge_speculation(req: Any, base: tuple[int, int, tuple[int, ...]], b: tuple[int, int, tuple[int, ...]]) -> None:
+    """A's counters at the cut (`base`) plus B's (`b`), as the request's own."""
+    if not b[0]:
+        return
+    req.spec_verify_ct = base[0] + b[0]
+    req.spec_num_correct_drafts = base[1] + b[1]
+    n = max(len(base[2]), len(b[2]))
+    req.spec_correct_drafts_histogram = [(base[2][i] if i < len(base[2]) else 0) + (b[2][i] if i < len(b[2]) else 0)
+                                         for i in range(n)]
 
 
 class Refused(RuntimeError):

@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from ...backends import PeerState
+from ...backends.errors import TransferError
 from .. import compat, wire
 from ..orders import DecoderLink
 from ..planner import ShardPlan
@@ -45,12 +46,21 @@ class Targets:
         self._timer = False
 
     def on(self, peer: Any, msg: wire.Message) -> None:
-        if isinstance(msg, wire.Hello):
-            self._hello(peer, msg)
-        elif isinstance(msg, wire.Cancel):
-            self._cancel(peer, msg)
-        else:
-            self._order(peer, msg)
+        """One of B's messages, in A's scheduler thread. A B whose connection closed between its
+        message and our answer (it dropped the link, e.g. on a heartbeat lost under load, and
+        will link again) costs its link here, never the scheduler: an answer that cannot be sent
+        was raised out of the decoder's step once and stopped the server (CI of 7e81fcc)."""
+        try:
+            if isinstance(msg, wire.Hello):
+                self._hello(peer, msg)
+            elif isinstance(msg, wire.Cancel):
+                self._cancel(peer, msg)
+            else:
+                self._order(peer, msg)
+        except TransferError as e:
+            self.peers.pop(peer.id, None)
+            logger.info("migration: decoder %s went away before its %s was answered: %s", peer.address,
+                        type(msg).__name__, e)
 
     def post_due(self) -> None:
         now = time.monotonic()
