@@ -14,7 +14,12 @@ Why each CPU flag is there:
 - ``OMP_NUM_THREADS``: each server sizes its OpenMP pool to the whole machine
   by default, so two servers on 2 cores run 4 compute threads and spin at
   barriers (measured: 34 -> ~190 output tok/s for the upstream stack under
-  concurrency). Each server gets threads for the cores it is given.
+  concurrency). Each server gets threads for the cores it is given: the cores
+  the launcher may run on (its affinity: ``taskset``, a container's cpuset, a
+  Slurm step's binding), not the machine's count. A decoder launched under
+  ``taskset -c 1`` on 2 cores ran 2 OpenMP threads on its one core and froze
+  for seconds at a time under load, long enough for its peers to declare it
+  silent mid-drain (CI of 6dcbbf6, ``tests/e2e/test_drain_router.py``).
 - ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0``: SGLang's ``/health`` otherwise runs a
   one-token generation through the scheduler, which a long prefill blocks for seconds; the
   router (checks every 2 s, 2 failures) then declared a busy prefill server dead (measured:
@@ -77,7 +82,7 @@ class ProcessSpec:
 def server_cores(cfg: LaunchConfig, role: Role) -> list[int]:
     """The cores a server's ranks get: `--role all` splits the machine between
     prefill and decode, every other role has it all."""
-    cores = list(range(os.cpu_count() or 1))
+    cores = sorted(os.sched_getaffinity(0)) or [0]
     if cfg.role is not Role.ALL or len(cores) == 1:
         return cores
     half = max(1, len(cores) // 2)

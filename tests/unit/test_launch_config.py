@@ -110,7 +110,7 @@ def test_provider_shm_is_refused_saying_why(argv):
 
 
 def test_each_server_gets_threads_for_its_cores(monkeypatch):
-    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
     cfg = LaunchConfig(role=Role.ALL, model="tiny-llama", prefill_tp=2)
     prefill = dict(server_spec(cfg, Role.PREFILL, "/m", builtin=True).env)
     decode = dict(server_spec(cfg, Role.DECODE, "/m", builtin=True).env)
@@ -121,7 +121,7 @@ def test_each_server_gets_threads_for_its_cores(monkeypatch):
 
 
 def test_pin_cores_pins_each_server_of_role_all_to_its_half(monkeypatch):
-    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
     cfg, _ = parse(["--role", "all", "--pin-cores"])
     assert server_spec(cfg, Role.PREFILL, "/m", builtin=True).cpus == (0, 1, 2, 3)
     assert server_spec(cfg, Role.DECODE, "/m", builtin=True).cpus == (4, 5, 6, 7)
@@ -243,3 +243,16 @@ def test_a_bind_failure_names_the_port_its_purpose_and_the_way_out():
     assert line.startswith(f"could not bind port {port} (decode metrics) on 127.0.0.1: another process took it")
     assert f"pick a --port below {lo - 10}" in line and "\n" not in line
     assert bind_failure("ValueError: something else", (("x", port),), "127.0.0.1") == ""
+
+
+def test_a_launcher_confined_to_some_cores_sizes_its_servers_to_them(monkeypatch):
+    """taskset, a container's cpuset or a Slurm step's binding: the launcher's affinity, not the
+    machine's CPU count (2 OpenMP threads on one core froze a decoder for seconds under load)."""
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {5})
+    colocated = LaunchConfig(role=Role.COLOCATED, model="tiny-llama")
+    assert dict(server_spec(colocated, Role.COLOCATED, "/m", builtin=True).env)["OMP_NUM_THREADS"] == "1"
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {2, 3, 6, 7})
+    cfg, _ = parse(["--role", "all", "--pin-cores"])
+    assert server_spec(cfg, Role.PREFILL, "/m", builtin=True).cpus == (2, 3)
+    assert server_spec(cfg, Role.DECODE, "/m", builtin=True).cpus == (6, 7)

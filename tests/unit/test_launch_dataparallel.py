@@ -87,7 +87,7 @@ def test_each_server_gets_sglangs_dp_flags_next_to_its_tp(mode):
 
 
 def test_threads_and_core_sets_count_every_replicas_ranks(monkeypatch):
-    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
     env = lambda cfg, role: dict(server_spec(cfg, role, "/m", builtin=True).env)  # noqa: E731
     cfg = LaunchConfig(role=Role.ALL, model="tiny-llama", prefill_dp=2, decode_tp=2, decode_attn_dp=2)
     prefill, decode = env(cfg, Role.PREFILL), env(cfg, Role.DECODE)  # 4 cores each
