@@ -40,11 +40,11 @@ BACKENDS = [("shmem", None), ("libfabric", "tcp")]
 
 @contextlib.contextmanager
 def decoder_pair(root, model: str, backend: str, provider: str | None = None, a_tp: int = 1, extra=(), env=(),
-                 **a_cfg):
+                 b_to_a: bool = False, **a_cfg):
     """A prefill server and decoder A (--role all, its test hook aimed at B; decode TP `a_tp`,
     more of its LaunchConfig in `a_cfg`) and decoder B (--role decode, TP 1) on the same
-    prefill server, both with SGLang arguments `extra` and environment `env` too; stopped on
-    the way out."""
+    prefill server, both with SGLang arguments `extra` and environment `env` too (`b_to_a`: B's
+    test hook aimed at A); stopped on the way out."""
     a_port, b_port = next_port(), next_port()
     b_url = f"http://127.0.0.1:{Ports(b_port).decode}"
     common = dict(model=model, backend=backend, provider=provider, max_total_tokens=4096,
@@ -55,7 +55,9 @@ def decoder_pair(root, model: str, backend: str, provider: str | None = None, a_
     try:
         a.start()
         b = Stack.for_config(LaunchConfig(role=Role.DECODE, port=b_port, log_dir=str(root / "b"),
-                                          secret_file=a.cfg.secret_file, env=tuple(env),
+                                          secret_file=a.cfg.secret_file, env=tuple(env) + (
+                                              (("SGLANG_DISAGG_TEST_MIGRATE", f"to={_decoder(a).url}"),)
+                                              if b_to_a else ()),
                                           prefill_messengers=(f"127.0.0.1:{a.cfg.ports.bootstrap}",), **common))
         b.start()
         assert b.url == b_url, f"decoder B serves at {b.url}, the hook names {b_url}"

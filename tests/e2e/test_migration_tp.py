@@ -5,6 +5,8 @@ ranks' head shards into B's pages (the prefill-to-decode planner, TP 2 -> 1).
 
 - a request cut after 5 and after 50 tokens ends exactly as the same request never moved
   (and as the colocated server), A wrote the request's KV and nothing more (the floor);
+- the other way, B (TP 1) to A (TP 2), cut after 5 tokens: exact, B's leader writing each page's
+  heads into A's two ranks, half each (the floor again);
 - a migration whose target dies leaves the request on A (both ranks take it back into their
   waiting queue together): exact again;
 - a drain moves 4 concurrent streams while A's batch keeps changing: each ends exact.
@@ -12,7 +14,7 @@ A and B hold no request and no page after each. A runs with ``--migration-rate``
 no migration's KV went out faster than the cap allows (bytes <= rate x hand-over time + one
 bucket + one group), and the drain took at least what its bytes need at that rate.
 
-Stack: decoder_pair (test_migration.py) with A's decoder at TP 2."""
+Stack: decoder_pair (test_migration.py) with A's decoder at TP 2 and B's test hook aimed at A."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import pytest
 from sglang_disagg.launch.client import generate_ids
 from sglang_disagg.messenger.migration.pacer import BURST_S
 from sglang_disagg.messenger.planner import pages_for
+from sglang_disagg.models import get_spec
 
 from .conftest import OUTPUT_TOKENS
 from .faultlib import wait_for, wait_released
@@ -44,7 +47,7 @@ def _within_cap(trace: dict) -> None:
 @pytest.fixture(scope="module")
 def tp_pair(tmp_path_factory, references):
     references("tiny-llama")  # the colocated reference first: one stack at a time on 2 cores
-    with decoder_pair(tmp_path_factory.mktemp("migration-tp2"), "tiny-llama", "nixl", None, a_tp=2,
+    with decoder_pair(tmp_path_factory.mktemp("migration-tp2"), "tiny-llama", "nixl", None, a_tp=2, b_to_a=True,
                       migration_rate_mb_s=RATE_MB_S) as pair:
         yield pair
 
@@ -71,6 +74,29 @@ def test_a_tp2_decoder_hands_a_request_to_a_tp1_one_after_5_and_50_tokens_exact(
         print(f"\nmigration | TP 2 -> 1 after {k}: {trace['kv_tokens']} tokens of KV, {trace['bytes']} bytes "
               f"({trace['writes']} writes), hand-over {trace['hand_over_s'] * 1000:.1f} ms")
     dying_target_leaves_it_on_a(a, prompts[4], outputs[4], "tp2")  # BACK: both ranks' waiting queues
+    _free(a, b)
+
+
+def test_a_tp1_decoder_hands_a_request_to_a_tp2_one_exact(tp_pair, references):
+    a, b = tp_pair
+    prompts, outputs = references("tiny-llama")
+    prompt = prompts[-2]
+    plain = generate_ids(b.url, prompt, LONG, rid="plain-tp1")
+    assert plain[:OUTPUT_TOKENS] == outputs[-2], "B at TP 1 gives the colocated tokens"
+    served, handed = _served(a), _migrations(b, "handed_over")
+    got = generate_ids(b.url, prompt, LONG, rid="migrate-after-5-tp1")
+    assert got == plain, f"migrated TP 1 -> 2 after 5 tokens: {got} != unmigrated {plain}"
+    assert _served(a) == served + 1, "one prefill order (B's own): nothing recomputed for A"
+    assert _migrations(b, "handed_over") == handed + 1
+    stats = _traced(b, 1)
+    trace = stats["migrations"][-1]
+    assert trace["outputs_at_cut"] == 5 and trace["kv_tokens"] == len(prompt) + 4, trace
+    pages = pages_for(trace["kv_tokens"], stats["page_size"])
+    assert trace["bytes"] == pages * stats["kv_page_bytes"], "the request's KV, the floor"
+    assert trace["writes"] == pages * get_spec("tiny-llama").num_layers * 2 * 2, \
+        "each page's K and V of every layer in two writes, half the heads into each of A's ranks"
+    print(f"\nmigration | TP 1 -> 2 after 5: {trace['bytes']} bytes ({trace['writes']} writes), "
+          f"hand-over {trace['hand_over_s'] * 1000:.1f} ms")
     _free(a, b)
 
 

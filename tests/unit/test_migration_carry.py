@@ -71,6 +71,7 @@ def test_waiting_and_finished_requests_are_not_migrated():
     ("migrate-after-5-x", (5, "http://b:1")), ("migrate-after-50-1", (50, "http://b:1")),
     ("migrate-after-5-port-4321-x", (5, "http://127.0.0.1:4321")), ("migrate-after-0-x", None),
     ("migrate-after-x", None), ("plain-1", None), ("migrate-after--5", None),
+    ("migrate-after-5-x.m12", None), ("migrate-after-5-x.m12g5", None),  # arrived by migration: not sent on
 ])
 def test_the_test_hook_reads_its_count_and_target_from_the_request_id(rid, want):
     from sglang_disagg.messenger.migration.hook import TestHook

@@ -1,6 +1,7 @@
 """The test hook that triggers migrations by token count (never by timing): a decoder started
 with SGLANG_DISAGG_TEST_MIGRATE=to=URL migrates each request whose rid starts with
-``migrate-after-K-`` once it has K output tokens. A fault injector too: a request whose rid
+``migrate-after-K-`` once it has K output tokens (counted on the decoder the client asked: a
+request that arrived here by migration is not sent on again). A fault injector too: a request whose rid
 holds ``-stall-`` has half of its KV writes held back for STALL_S seconds once the new decoder
 ordered them, so a test can kill that decoder or cut the link mid-migration."""
 
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+
+from .room import migrated_rid
 
 TEST_ENV = "SGLANG_DISAGG_TEST_MIGRATE"
 STALL_S = 3.0
@@ -39,7 +42,7 @@ class TestHook:
     def after(self, rid: str) -> tuple[int, str] | None:
         """(K, target URL) for a request named migrate-after-K-*; migrate-after-K-port-P-*
         targets 127.0.0.1:P instead (a fault test's decoder that dies or never answers)."""
-        if not rid.startswith(self.PREFIX):
+        if not rid.startswith(self.PREFIX) or migrated_rid(rid):
             return None
         parts = rid[len(self.PREFIX):].split("-")
         if not parts[0].isdigit() or int(parts[0]) < 1:

@@ -33,6 +33,11 @@ MAX_REPLAY = 1 << 20
 _RID = re.compile(r"\.m([0-9]{1,10})(?:g([0-9]{1,7}))?$")
 
 
+def migrated_rid(rid: str) -> bool:
+    """Whether `rid` is one a decoder gave a request it migrated here (the suffix A appends)."""
+    return bool(_RID.search(rid))
+
+
 def _mac(secret: bytes, host: str, port: int, handle: int, replay: int) -> int:
     msg = f"sglang-disagg migration source v2|{host}|{port}|{handle}|{replay}".encode()
     return int.from_bytes(hmac.new(secret, msg, hashlib.sha256).digest()[:4], "big")
