@@ -39,7 +39,7 @@ STREAMS = 8
 # 60 s of them would not fit its 4096 positions. A shared prefix and one of two tails (4 streams
 # each: the unmigrated run beside them is 2 streams, not 8); N outputs, of which what is left at
 # the drain needs >= 60 s on B (checked, from B's pace measured just before the drain).
-MODEL, PREFIX, N, TAILS = "small-llama", 200, 720, 2
+MODEL, PREFIX, N, TAILS = "small-llama", 200, 1000, 2
 FILLER = 280  # C's own stream: 288 of its 512 tokens, leaving less than a migrated stream's 272
 BACKEND = dict(backend="libfabric", provider="tcp")
 
@@ -129,7 +129,7 @@ def _drain_and_check(a, b, bp, b_log, c):
     assert taken() == before, "the router sent the drained decoder a new request"
     still = sum(t.is_alive() for t in drained)
     for t in drained + plain:
-        t.join(300)
+        t.join(600)
     assert [t.err for t in drained] == [None] * STREAMS, [repr(t.err) for t in drained]
     assert [p.err for p in plain] == [None] * TAILS
     for i, t in enumerate(drained):
