@@ -15,6 +15,7 @@ from sglang_disagg.testsupport import DUMP_ENV
 
 from .deepseek_pd import LAYERS, MODEL, MTP
 from .test_migration import _decoder, _free, _served, _traced, decoder_pair
+from .test_migration_speculative import _steps
 
 pytestmark = pytest.mark.e2e
 
@@ -29,12 +30,6 @@ def nextn_decoders(tmp_path_factory, deepseek_reference, stacks):
     dumps.mkdir()
     with decoder_pair(root, MODEL, "shmem", extra=MTP, env=((DUMP_ENV, str(dumps)),)) as (a, b):
         yield a, b, dumps
-
-
-def _steps(dumps, rid: str) -> list[int]:
-    files = sorted(dumps.glob(f"{rid}.steps"))
-    assert len(files) == 1, f"{rid}: step logs {files}"
-    return [int(x) for x in files[0].read_text().split()]
 
 
 def test_a_nextn_request_cut_after_5_and_20_tokens_ends_as_the_unmigrated_one(nextn_decoders, deepseek_reference):
