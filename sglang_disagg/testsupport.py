@@ -66,7 +66,9 @@ def dump_kv(scheduler: Any, batch: Any) -> None:
     if not where:
         return
     mode = batch.forward_mode
-    if not mode.is_extend() or mode.is_target_verify() or getattr(scheduler, "tp_rank", 0) != 0:
+    # the first rank of the request's attention group (with attention DP each group's leader)
+    rank = getattr(scheduler, "attn_tp_rank", None)
+    if not mode.is_extend() or mode.is_target_verify() or (getattr(scheduler, "tp_rank", 0) if rank is None else rank) != 0:
         return
     import torch
 

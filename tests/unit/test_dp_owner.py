@@ -238,6 +238,49 @@ def test_prefill_dispatch_spreads_orders_and_follows_cancels():
         backend.close()
 
 
+def test_decode_dispatch_sends_a_migration_targets_order_to_the_group_holding_its_request():
+    """A data-parallel decoder migrating requests out: the other decoder's Hello reaches every
+    group (any may hold a request for it), its MigrationOrder and Cancel the group whose
+    handle they name (Source.new draws group g's handles from g modulo the groups), and a
+    prefill server's answer still goes to the group that opened that connection."""
+    from sglang_disagg.messenger.migration.room import Source
+
+    backend = _backend("shmem", None)
+    local = []
+    owner = Owner(backend, _name(), MessengerRole.DECODE, groups=3, local=lambda p, m: local.append(m))
+    groups = {1: _Recording(), 2: _Recording()}
+    owner._conns.update(groups)
+    try:
+        target, prefill = _Peer("decoder-b"), _Peer("prefill")
+        owner._opened_by[id(prefill)] = 2
+
+        def give(peer, msg):
+            owner.dispatch(peer, wire.encode(msg), msg)
+
+        kv = wire.KVSpec(model="m", fingerprint="f", num_layers=1, kv_heads=1, head_dim=64, v_head_dim=64,
+                         page_size=1, dtype="f", layout="hnd", tp=1)
+        give(target, wire.Hello(decoder="b", backend="shmem", provider="", kv=kv, ranks=()))
+        assert len(local) == 1 and all(len(g.got) == 1 for g in groups.values())  # every group hears it
+        for g in (0, 1, 2):
+            handles = {Source.new("10.0.0.1:5000", group=g, groups=3).handle for _ in range(50)}
+            assert {h % 3 for h in handles} == {g} and all(0 <= h < 1 << 31 for h in handles)
+            h = handles.pop()
+            order = wire.MigrationOrder(rid=str(h), tag=7 + g, num_tokens=3, dst_pages=(0,))
+            cancel = wire.Cancel(rid=f"req-{g}.m{h}g2", tag=7 + g)  # B's rid: A's, the handle, the replay
+            give(target, order)
+            give(target, cancel)
+            got = local if g == 0 else groups[g].got
+            assert got[-2:] == [order, cancel], f"group {g}"
+        give(prefill, wire.OrderFailed(rid="r.m4", tag=1, reason="x", blame=wire.Blame.ORDER, posted=0))
+        assert isinstance(groups[2].got[-1], wire.OrderFailed)  # its opener's, whatever the rid says
+        give(target, wire.MigrationOrder(rid="not-a-handle", tag=9, num_tokens=1, dst_pages=(0,)))
+        assert local[-1].rid == "not-a-handle"  # group 0 refuses it with the reason
+    finally:
+        owner._conns.clear()
+        owner.close()
+        backend.close()
+
+
 def test_group_wire_checks_version_and_fields():
     raw = gw.encode(gw.Stats(3))
     assert gw.decode(raw) == gw.Stats(3)

@@ -10,7 +10,11 @@ shared memory, mapped and registered here as the TP ranks' are (node.py).
 
 Who gets a peer's control message (the owner's control thread reads them all, `dispatch`):
 - decode: the group that opened the connection it came on (each group keeps its own links
-  to the prefill servers, its own Hello naming its group and its pool);
+  to the prefill servers, its own Hello naming its group and its pool). Hello, MigrationOrder
+  and Cancel come only from another decoder taking requests that migrate from here
+  (migration/targets.py): its Hello goes to every joined group (any of them may hold a request for it; group 0 alone
+  answers), its MigrationOrder and Cancel to the group the migration handle names (a group
+  draws its handles from its residue modulo the groups: migration/room.Source.new);
 - prefill: a Hello goes to every joined group (each must know the decoder's regions; group 0
   alone answers; a group joining later hears it as it joins), an order to the group with the fewest orders outstanding (ties: the
   lowest group), a cancel to the group that took the order, anything else to group 0.
@@ -37,6 +41,7 @@ import contextlib
 import errno
 import itertools
 import logging
+import re
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -51,6 +56,8 @@ from ..config import MessengerRole
 from . import wire as gw
 
 logger = logging.getLogger("sglang_disagg.messenger")
+# A migration's handle in B's order (the rid is the handle) or cancel (the rid ends .m<handle>[g<k>])
+_HANDLE = re.compile(r"(?:^|\.m)([0-9]{1,10})(?:g[0-9]{1,7})?$")
 STATE_POLL_S = 0.05  # a lost peer must reach the groups within the links' 2 s promise
 SEND_TIMEOUT_S = 1.8  # a group that takes no message for this long is dropped, as a silent peer is
 JOIN_S = 10.0  # a group sends Join as it connects: a connection still silent then is closed (its thread ends)
@@ -96,7 +103,10 @@ class Owner:
 
     # ----- the owner's control thread -------------------------------------------------------
     def dispatch(self, peer: Any, raw: bytes, msg: wire.Message) -> None:
-        if self.role is MessengerRole.DECODE:
+        decode = self.role is MessengerRole.DECODE
+        if decode and isinstance(msg, (wire.MigrationOrder, wire.Cancel)):  # only a migration target sends these
+            targets = [self._migration_group(msg)]
+        elif decode and not isinstance(msg, wire.Hello):  # a prefill server's (or migration source's) answer
             targets = [self._opened_by.get(id(peer), 0)]
         elif isinstance(msg, wire.Hello):
             with self._lock:  # a group joining later hears it then (_serve); a dropped one, never
@@ -131,6 +141,13 @@ class Owner:
                 self._drop(g, conn, e)
                 if isinstance(msg, wire.PrefillOrder):
                     self._undeliverable(peer, msg, g, e)
+
+    def _migration_group(self, msg: wire.Message) -> int:
+        """The group a migration target's order or cancel names by its handle (0 if none: a
+        group that does not hold the request refuses it with the reason)."""
+        m = _HANDLE.search(str(getattr(msg, "rid", "")))
+        g = int(m.group(1)) % self.groups if m is not None else 0
+        return g if g == 0 or g in self._conns else 0
 
     def order_done(self, instance: str, tag: int) -> None:
         with self._lock:

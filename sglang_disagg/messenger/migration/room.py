@@ -55,11 +55,17 @@ class Source:
         return f"{self.host}:{self.port}"
 
     @classmethod
-    def new(cls, address: str, replay: int = 0) -> Source:
+    def new(cls, address: str, replay: int = 0, group: int = 0, groups: int = 1) -> Source:
+        """A fresh handle. A data-parallel decoder's groups share one messenger address, whose
+        owner hands B's order to the group holding the request: the handle says which
+        (handle % groups == group, dp/owner.py), so it is drawn from that group's residues."""
         host, _, port = address.rpartition(":")
         if not 0 <= replay < MAX_REPLAY:
             raise ValueError(f"replay {replay}: 0 to {MAX_REPLAY - 1}")
-        return cls(host, int(port), secrets.randbits(HANDLE_BITS), replay)
+        if not 0 <= group < groups:
+            raise ValueError(f"DP group {group} of {groups}")
+        handle = secrets.randbelow(((1 << HANDLE_BITS) - groups) // groups + 1) * groups + group
+        return cls(host, int(port), handle, replay)
 
     def room(self, secret: bytes) -> int:
         return (self.handle << MAC_BITS) | _mac(secret, self.host, self.port, self.handle, self.replay)

@@ -34,7 +34,12 @@ MAX_ANSWERED = 256  # settled orders whose write counts a late cancel is answere
 class Targets:
     def __init__(self, out: Any) -> None:
         self.out, self.m, self.node, self.source, self.hook = out, out.m, out.node, out.source, out.hook
-        self.peers: dict[str, DecoderLink] = {}
+        # B's links by (its instance, its DP group): a data-parallel B's groups each say Hello, on
+        # connections of their own from one backend instance, each naming its own group's pages
+        # (keyed by instance alone, the last group's Hello took the others' orders: their KV went
+        # into that group's pool). `keys`: each control connection's key, from its Hello.
+        self.peers: dict[tuple[str, int], DecoderLink] = {}
+        self.keys: dict[Any, tuple[str, int]] = {}
         self.stalled: list[tuple[float, Held]] = []  # the test hook's held-back writes, with when they go
         # B's cancels: answered (wire.Released with the writes posted) once the request's writes
         # drained; `answered` remembers the last MAX_ANSWERED settled orders for a late cancel
@@ -58,7 +63,7 @@ class Targets:
             else:
                 self._order(peer, msg)
         except TransferError as e:
-            self.peers.pop(peer.id, None)
+            self.peers.pop(self.keys.pop(peer, None), None)
             logger.info("migration: decoder %s went away before its %s was answered: %s", peer.address,
                         type(msg).__name__, e)
 
@@ -96,13 +101,17 @@ class Targets:
             self._released(peer, msg)
 
     def _hello(self, peer: Any, hello: wire.Hello) -> None:
+        key = (peer.id, hello.group)
         reasons = compat.differences(hello.kv, self.node.spec)
         link = None
         if not reasons:
             try:
-                for key in [k for k, x in self.peers.items() if x.peers[0].state is not PeerState.CONNECTED]:
-                    del self.peers[key]  # a decoder that went away: its slot is free again
-                if len(self.peers) >= MAX_PEERS and peer.id not in self.peers:
+                for gone in [k for k, x in self.peers.items() if x.peers[0].state is not PeerState.CONNECTED]:
+                    del self.peers[gone]  # a decoder that went away: its slot is free again
+                for conn in [c for c, k in self.keys.items()
+                             if k not in self.peers or c is peer or c.state is not PeerState.CONNECTED]:
+                    del self.keys[conn]
+                if len(self.peers) >= MAX_PEERS and key not in self.peers:
                     raise ValueError(f"{MAX_PEERS} decoders are linked for migration already")
                 link = DecoderLink(hello, ShardPlan.build(self.node.view.geometry, self.m.ranks.size, hello.kv.tp))
                 compat.decoder_pages(self.node.view.geometry, hello)
@@ -112,16 +121,21 @@ class Targets:
                     link.remote[d] = [data.add_remote_region(desc) for desc in endpoint.regions]
             except Exception as e:  # noqa: BLE001 - refused with the reason
                 reasons = [str(e)]
+        # A data-parallel decoder's owner hands B's Hello to every group (any may hold a request
+        # for B: dp/owner.py); B awaits one answer, group 0's.
+        answers = self.node.group == 0
         if reasons:
             logger.error("migration: refused decoder %s: %s", hello.decoder, "; ".join(reasons))
-            peer.send(wire.encode(wire.Refuse(prefill=self.node.name, reason="; ".join(reasons))))
+            if answers:
+                peer.send(wire.encode(wire.Refuse(prefill=self.node.name, reason="; ".join(reasons))))
             return
-        self.peers[peer.id] = link
-        peer.send(wire.encode(wire.Welcome(prefill=self.node.name, kv=self.node.spec, ranks=tuple(
-            wire.RankEndpoint(r.rank, r.address, r.instance, ()) for r in self.node.endpoints))))
+        self.peers[key], self.keys[peer] = link, key
+        if answers:
+                peer.send(wire.encode(wire.Welcome(prefill=self.node.name, kv=self.node.spec, ranks=tuple(
+                wire.RankEndpoint(r.rank, r.address, r.instance, ()) for r in self.node.endpoints))))
 
     def _order(self, peer: Any, order: wire.MigrationOrder) -> None:
-        link = self.peers.get(peer.id)
+        link = self._link(peer)
         try:
             if link is None:
                 raise MigrationRefused("no Hello on this connection")
@@ -166,8 +180,11 @@ class Targets:
 
     def _named(self, peer: Any, tag: int) -> tuple[str, int]:
         """(the decoder's name from its Hello, tag): B's cancel may come on a new connection."""
-        link = self.peers.get(peer.id)
+        link = self._link(peer)
         return (link.hello.decoder if link is not None else f"?{peer.id}", tag)
+
+    def _link(self, peer: Any) -> DecoderLink | None:
+        return self.peers.get(self.keys.get(peer, ("", -1)))
 
     def _released(self, peer: Any, msg: wire.Cancel) -> None:
         try:
