@@ -203,10 +203,26 @@ def scheduler_ready(scheduler: Any) -> None:
             if sock is not None:
                 _waiter.register(sock, zmq.POLLIN)
         _waiter.register(fd, zmq.POLLIN)
-        from sglang_disagg.messenger.dp.support import resolved
+    from sglang_disagg.messenger.dp.support import resolved
 
-        if int(getattr(resolved(scheduler.server_args), "attn_dp_size", 1) or 1) > 1:
-            _wait_ms = _DP_IDLE_WAIT_MS
+    if int(getattr(resolved(scheduler.server_args), "attn_dp_size", 1) or 1) > 1:
+        _wait_ms = _DP_IDLE_WAIT_MS
+        if scheduler.idle_sleeper is not None:
+            _cap_poll(scheduler.idle_sleeper.poller, dp_idle_sleep_ms())
+
+
+def _cap_poll(poller: Any, cap_ms: int) -> None:
+    """Attention DP: a group with nothing to do sleeps in SGLang's IdleSleeper (--sleep-on-idle)
+    for up to 1 s, and every iteration of the other groups starts with a collective it must join:
+    a group waiting for its KV (no batch yet) then ran one iteration per second, so each of its
+    hand-offs waited ~1 s after the last write landed (0.93-1.0 s measured on a DP 2 decoder, 0 on
+    TP 1). Capping the sleep bounds that wait; an idle group then runs an iteration every cap."""
+    poll = poller.poll
+
+    def capped(timeout: Any = None, *args: Any) -> Any:
+        return poll(cap_ms if timeout is None or timeout < 0 or timeout > cap_ms else timeout, *args)
+
+    poller.poll = capped
 
 
 def leader_inputs(scheduler: Any) -> list:
@@ -266,6 +282,16 @@ _IDLE_WAIT_MS = 50
 # here holds up a group that has work (its KV landed, a request arrived at it): it sleeps at
 # most this long.
 _DP_IDLE_WAIT_MS = 2
+DP_IDLE_SLEEP_ENV = "SGLANG_DISAGG_DP_IDLE_SLEEP_MS"  # a fully idle group's longest sleep (_cap_poll)
+
+
+def dp_idle_sleep_ms() -> int:
+    """How long a fully idle attention-DP group sleeps at most: 50 ms unless the environment says
+    (1000 is SGLang's own --sleep-on-idle; benchmarks/dp_idle.py compares the two)."""
+    raw = os.environ.get(DP_IDLE_SLEEP_ENV, "50")
+    if not raw.isdigit() or not 1 <= int(raw) <= 1000:
+        raise ValueError(f"{DP_IDLE_SLEEP_ENV}={raw!r}: expected milliseconds from 1 to 1000")
+    return int(raw)
 _wait_ms = _IDLE_WAIT_MS
 
 

@@ -82,3 +82,23 @@ def test_the_launcher_asks_cpu_servers_to_fork_unless_told_otherwise(role, monke
     assert dict(server_spec(cfg, role, "/m", builtin=True).env)[SUBPROCESS_START_ENV] == "fork"
     monkeypatch.setenv(SUBPROCESS_START_ENV, "spawn")  # the user's word wins
     assert dict(server_spec(cfg, role, "/m", builtin=True).env)[SUBPROCESS_START_ENV] == "spawn"
+
+
+def test_an_idle_attention_dp_group_sleeps_at_most_the_cap(monkeypatch):
+    """SGLang's idle sleep (1 s) held every other DP group's iteration for up to 1 s (each starts
+    with a collective); capped, no wait is longer than the cap, shorter ones are kept."""
+    from sglang_disagg import hooks
+
+    asked = []
+    poller = type("Poller", (), {"poll": lambda self, timeout=None: asked.append(timeout)})()
+    monkeypatch.delenv(hooks.DP_IDLE_SLEEP_ENV, raising=False)
+    hooks._cap_poll(poller, hooks.dp_idle_sleep_ms())
+    for timeout in (1000, None, -1, 10):
+        poller.poll(timeout)
+    assert asked == [50, 50, 50, 10]
+    monkeypatch.setenv(hooks.DP_IDLE_SLEEP_ENV, "1000")
+    assert hooks.dp_idle_sleep_ms() == 1000
+    for bad in ("0", "1001", "5ms", ""):
+        monkeypatch.setenv(hooks.DP_IDLE_SLEEP_ENV, bad)
+        with pytest.raises(ValueError, match="expected milliseconds from 1 to 1000"):
+            hooks.dp_idle_sleep_ms()
