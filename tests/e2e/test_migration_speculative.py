@@ -1,4 +1,5 @@
-"""Live migration of a speculative request (EAGLE, one draft step, top-k 1) between decoders.
+"""Live migration of a speculative request (EAGLE and STANDALONE drafts, one draft step, top-k 1)
+between decoders.
 
 A's draft KV moves with the target's (the draft's layers follow the target's in the plan and
 in B's count) and B runs the last output through target and draft, as on a prefill hand-off.
@@ -37,19 +38,23 @@ from .faultlib import value
 
 pytestmark = pytest.mark.e2e
 
-TARGET, DRAFT = "tiny-llama-1l", "tiny-llama-1l-eagle"
-SPEC = ("--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", DRAFT,
-        "--speculative-num-steps", "1", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "2")
+# algorithm -> (target, draft): EAGLE's one-layer head; STANDALONE's a separate small model
+# (tiny-llama's weights perturbed, as in test_speculative.py)
+DRAFTS = {"EAGLE": ("tiny-llama-1l", "tiny-llama-1l-eagle"), "STANDALONE": ("tiny-llama", "tiny-llama-draft")}
+ONE_STEP = ("--speculative-num-steps", "1", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "2")
 LONG = 80
 
 
-@pytest.fixture(scope="module")
-def spec_pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("migration-eagle")
+@pytest.fixture(scope="module", params=list(DRAFTS))
+def spec_pair(request, tmp_path_factory):
+    algorithm = request.param
+    target, draft = DRAFTS[algorithm]
+    root = tmp_path_factory.mktemp(f"migration-{algorithm.lower()}")
     dumps = root / "dumps"
     dumps.mkdir()
-    with decoder_pair(root, TARGET, "shmem", extra=SPEC, env=((DUMP_ENV, str(dumps)),)) as (a, b):
-        yield a, b, dumps
+    extra = ("--speculative-algorithm", algorithm, "--speculative-draft-model-path", draft) + ONE_STEP
+    with decoder_pair(root, target, "shmem", extra=extra, env=((DUMP_ENV, str(dumps)),)) as (a, b):
+        yield a, b, dumps, algorithm
 
 
 def _gen(url: str, ids: list[int], n: int, rid: str) -> dict:
@@ -63,13 +68,14 @@ def _steps(dumps, rid: str) -> list[int]:
     return [int(x) for x in files[0].read_text().split()]
 
 
-def test_an_eagle_request_cut_after_5_and_50_tokens_continues_exact_with_its_draft(spec_pair):
-    a, b, dumps = spec_pair
-    url, prompt = _decoder(a).url, prompts_for(TARGET)[-2]  # longer than a prefill chunk
+def test_a_speculative_request_cut_after_5_and_50_tokens_continues_exact_with_its_draft(spec_pair):
+    a, b, dumps, algorithm = spec_pair
+    target, draft = DRAFTS[algorithm]
+    url, prompt = _decoder(a).url, prompts_for(target)[-2]  # longer than a prefill chunk
     plain = _gen(url, prompt, LONG, "kvdump-plain")
     plain_steps = _steps(dumps, "kvdump-plain")
     assert sum(plain_steps) > 0, "the draft never agreed: acceptance would prove nothing"
-    layers, draft_layers = get_spec(TARGET).num_layers, get_spec(DRAFT).num_layers
+    layers, draft_layers = get_spec(target).num_layers, get_spec(draft).num_layers
     for n, k in enumerate((5, 50), 1):
         rid = f"migrate-after-{k}-kvdump-e{k}"
         served, moved = _served(a), value(_m(a), "sglang_disagg_migration_bytes_total")
@@ -109,6 +115,6 @@ def test_an_eagle_request_cut_after_5_and_50_tokens_continues_exact_with_its_dra
                     assert u.shape[0] == v.shape[0] == len(prompt) + cut, (part, layer, kind)
                     assert (u - v).abs().max() <= 1e-4, f"after {k}: B's {part} layer {layer} {kind} differs"
         assert (moved_kv["draft"][0][0] - moved_kv["target"][0][0]).abs().max() > 0.1
-        print(f"\nmigration | EAGLE after {k} (cut at {cut}): {trace['bytes']} bytes, A {len(a_steps)} verify "
+        print(f"\nmigration | {algorithm} after {k} (cut at {cut}): {trace['bytes']} bytes, A {len(a_steps)} verify "
               f"steps, B {len(b_steps)}, hand-over {trace['hand_over_s'] * 1000:.1f} ms")
     _free(a, b)
