@@ -292,6 +292,8 @@ def dp_idle_sleep_ms() -> int:
     if not raw.isdigit() or not 1 <= int(raw) <= 1000:
         raise ValueError(f"{DP_IDLE_SLEEP_ENV}={raw!r}: expected milliseconds from 1 to 1000")
     return int(raw)
+
+
 _wait_ms = _IDLE_WAIT_MS
 
 

@@ -12,9 +12,10 @@ Who gets a peer's control message (the owner's control thread reads them all, `d
 - decode: the group that opened the connection it came on (each group keeps its own links
   to the prefill servers, its own Hello naming its group and its pool). Hello, MigrationOrder
   and Cancel come only from another decoder taking requests that migrate from here
-  (migration/targets.py): its Hello goes to every joined group (any of them may hold a request for it; group 0 alone
-  answers), its MigrationOrder and Cancel to the group the migration handle names (a group
-  draws its handles from its residue modulo the groups: migration/room.Source.new);
+  (migration/targets.py): its Hello goes to every joined group (any of them may hold a
+  request for it; group 0 alone answers), its MigrationOrder and Cancel to the group the
+  migration handle names (a group draws its handles from its residue modulo the groups:
+  migration/room.Source.new);
 - prefill: a Hello goes to every joined group (each must know the decoder's regions; group 0
   alone answers; a group joining later hears it as it joins), an order to the group with the fewest orders outstanding (ties: the
   lowest group), a cancel to the group that took the order, anything else to group 0.

@@ -228,8 +228,8 @@ class Outgoing:
             if req is None:
                 continue
             if rid in found:
-                self.cutting.append(Away(req, to, Source.new(self.node.endpoints[0].address, group=self.node.group,
-                                                                groups=self.node.groups), cut_step=step))
+                source = Source.new(self.node.endpoints[0].address, group=self.node.group, groups=self.node.groups)
+                self.cutting.append(Away(req, to, source, cut_step=step))
             else:  # it finished or was retracted before the cut reached the ranks: nothing moves
                 setattr(req, CUT_ATTR, False)
 

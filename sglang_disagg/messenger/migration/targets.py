@@ -131,7 +131,7 @@ class Targets:
             return
         self.peers[key], self.keys[peer] = link, key
         if answers:
-                peer.send(wire.encode(wire.Welcome(prefill=self.node.name, kv=self.node.spec, ranks=tuple(
+            peer.send(wire.encode(wire.Welcome(prefill=self.node.name, kv=self.node.spec, ranks=tuple(
                 wire.RankEndpoint(r.rank, r.address, r.instance, ()) for r in self.node.endpoints))))
 
     def _order(self, peer: Any, order: wire.MigrationOrder) -> None:
