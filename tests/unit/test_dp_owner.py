@@ -11,6 +11,7 @@ cancel after its order) is checked on the dispatch logic with recording groups.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import time
@@ -199,21 +200,34 @@ class _Recording:
         self.got.append(wire.decode(msg.data))
 
 
-def test_prefill_dispatch_spreads_orders_and_follows_cancels():
+_KV = wire.KVSpec(model="m", fingerprint="f", num_layers=1, kv_heads=1, head_dim=64, v_head_dim=64,
+                  page_size=1, dtype="f", layout="hnd", tp=1)
+
+
+@contextlib.contextmanager
+def _recording_owner(role: MessengerRole):
+    """An owner of 3 groups: group 0's messages in `local`, groups 1 and 2 recording theirs."""
     backend = _backend("shmem", None)
     local = []
-    owner = Owner(backend, _name(), MessengerRole.PREFILL, groups=3, local=lambda p, m: local.append(m))
+    owner = Owner(backend, _name(), role, groups=3, local=lambda p, m: local.append(m))
     groups = {1: _Recording(), 2: _Recording()}
     owner._conns.update(groups)
     try:
+        yield owner, local, groups
+    finally:
+        owner._conns.clear()
+        owner.close()
+        backend.close()
+
+
+def test_prefill_dispatch_spreads_orders_and_follows_cancels():
+    with _recording_owner(MessengerRole.PREFILL) as (owner, local, groups):
         decoder = _Peer("dec")
 
         def give(msg):
             owner.dispatch(decoder, wire.encode(msg), msg)
 
-        kv = wire.KVSpec(model="m", fingerprint="f", num_layers=1, kv_heads=1, head_dim=64, v_head_dim=64,
-                         page_size=1, dtype="f", layout="hnd", tp=1)
-        give(wire.Hello(decoder="d", backend="shmem", provider="", kv=kv, ranks=()))
+        give(wire.Hello(decoder="d", backend="shmem", provider="", kv=_KV, ranks=()))
         assert len(local) == 1 and all(len(g.got) == 1 for g in groups.values())  # every group hears it
         orders = [wire.PrefillOrder(rid=f"r{t}", tag=t, token_ids=(1,), dst_pages=(0,), start_page=0)
                   for t in range(1, 7)]
@@ -232,10 +246,6 @@ def test_prefill_dispatch_spreads_orders_and_follows_cancels():
         assert holder[-1] == wire.Cancel(rid="r5", tag=5)
         give(wire.Cancel(rid="r1", tag=1))  # a finished order: group 0 answers "released"
         assert local[-1] == wire.Cancel(rid="r1", tag=1)
-    finally:
-        owner._conns.clear()
-        owner.close()
-        backend.close()
 
 
 def test_decode_dispatch_sends_a_migration_targets_order_to_the_group_holding_its_request():
@@ -245,21 +255,14 @@ def test_decode_dispatch_sends_a_migration_targets_order_to_the_group_holding_it
     prefill server's answer still goes to the group that opened that connection."""
     from sglang_disagg.messenger.migration.room import Source
 
-    backend = _backend("shmem", None)
-    local = []
-    owner = Owner(backend, _name(), MessengerRole.DECODE, groups=3, local=lambda p, m: local.append(m))
-    groups = {1: _Recording(), 2: _Recording()}
-    owner._conns.update(groups)
-    try:
+    with _recording_owner(MessengerRole.DECODE) as (owner, local, groups):
         target, prefill = _Peer("decoder-b"), _Peer("prefill")
         owner._opened_by[id(prefill)] = 2
 
         def give(peer, msg):
             owner.dispatch(peer, wire.encode(msg), msg)
 
-        kv = wire.KVSpec(model="m", fingerprint="f", num_layers=1, kv_heads=1, head_dim=64, v_head_dim=64,
-                         page_size=1, dtype="f", layout="hnd", tp=1)
-        give(target, wire.Hello(decoder="b", backend="shmem", provider="", kv=kv, ranks=()))
+        give(target, wire.Hello(decoder="b", backend="shmem", provider="", kv=_KV, ranks=()))
         assert len(local) == 1 and all(len(g.got) == 1 for g in groups.values())  # every group hears it
         for g in (0, 1, 2):
             handles = {Source.new("10.0.0.1:5000", group=g, groups=3).handle for _ in range(50)}
@@ -275,10 +278,6 @@ def test_decode_dispatch_sends_a_migration_targets_order_to_the_group_holding_it
         assert isinstance(groups[2].got[-1], wire.OrderFailed)  # its opener's, whatever the rid says
         give(target, wire.MigrationOrder(rid="not-a-handle", tag=9, num_tokens=1, dst_pages=(0,)))
         assert local[-1].rid == "not-a-handle"  # group 0 refuses it with the reason
-    finally:
-        owner._conns.clear()
-        owner.close()
-        backend.close()
 
 
 def test_group_wire_checks_version_and_fields():
@@ -298,9 +297,7 @@ def test_a_group_joining_late_hears_the_hellos_before_any_order():
     local = []
     owner = Owner(backend, path, MessengerRole.PREFILL, groups=2, local=lambda p, m: local.append(m))
     decoder = _Peer("dec")
-    kv = wire.KVSpec(model="m", fingerprint="f", num_layers=1, kv_heads=1, head_dim=64, v_head_dim=64,
-                     page_size=1, dtype="f", layout="hnd", tp=1)
-    hello = wire.Hello(decoder="d", backend="shmem", provider="", kv=kv, ranks=())
+    hello = wire.Hello(decoder="d", backend="shmem", provider="", kv=_KV, ranks=())
     owner.dispatch(decoder, wire.encode(hello), hello)
     order = wire.PrefillOrder(rid="r", tag=1, token_ids=(1,), dst_pages=(0,), start_page=0)
     owner.dispatch(decoder, wire.encode(order), order)
