@@ -58,8 +58,11 @@ class Call(threading.Thread):
         return self
 
 
-def scrape(host: str, port: int) -> dict[tuple, float]:
-    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5) as r:
+def scrape(host: str, port: int, timeout: float = 10.0) -> dict[tuple, float]:
+    """One /metrics read. 10 s is Prometheus' own scrape timeout: a scheduler relaying or
+    migrating on a shared core may take seconds to answer (metrics_http.py), and a scraper
+    that waits that long must get the answer."""
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=timeout) as r:
         text = r.read().decode()
     return {(s.name,) + tuple(sorted(s.labels.items())): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
