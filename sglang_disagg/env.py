@@ -29,6 +29,11 @@ def models_dir() -> Path:
 # "fork" (what the launcher asks of CPU servers; hooks.subprocess_start_method reads it).
 SUBPROCESS_START_ENV = "SGLANG_DISAGG_SUBPROCESS_START"
 
+# Set by a launcher that runs as a Slurm step for the servers it starts: their schedulers keep
+# SIGTERM ignored (hooks.scheduler_ready), since a signal to the step reaches every process of
+# it and only the launcher may decide when they stop (launch/process.py, _preexec).
+IGNORE_SIGTERM_ENV = "SGLANG_DISAGG_IGNORE_SIGTERM"
+
 
 # Environment every SGLang process started by us gets on CPU. The reasons:
 # - SGLANG_USE_CPU_ENGINE: without it rotary embeddings import vLLM.

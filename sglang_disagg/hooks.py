@@ -14,6 +14,7 @@ patches import nothing else of ours and call only functions defined here.
 from __future__ import annotations
 
 import os
+import signal
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -168,10 +169,22 @@ def kv_zeros(shape: Any, dtype: Any, device: Any) -> Any:
 
 def scheduler_ready(scheduler: Any) -> None:
     """End of Scheduler.__init__ (every TP rank): start the messenger for this role."""
-    global _messenger, _waiter, _wait_ms
-    from sglang_disagg.messenger.config import MessengerConfig, MessengerRole
+    from sglang_disagg.env import IGNORE_SIGTERM_ENV
+    from sglang_disagg.messenger.config import MessengerConfig
 
-    cfg = MessengerConfig.from_env()
+    try:
+        _scheduler_ready(scheduler, MessengerConfig.from_env())
+    finally:
+        if os.environ.get(IGNORE_SIGTERM_ENV) == "1":
+            # In a Slurm step the step's signal is the launcher's to act on (env.py); a handler
+            # the scheduler's start installed over the inherited SIG_IGN is undone here
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _scheduler_ready(scheduler: Any, cfg: Any) -> None:
+    global _messenger, _waiter, _wait_ms
+    from sglang_disagg.messenger.config import MessengerRole
+
     if cfg is None:
         return
     from sglang.utils import TypeBasedDispatcher

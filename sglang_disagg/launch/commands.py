@@ -52,7 +52,9 @@ warm-up (_messenger_server says why), CUDA graphs stay on.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
+import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -266,7 +268,8 @@ def server_spec(cfg: LaunchConfig, role: Role, model_path: str, builtin: bool,
         return spec
     # torch's TCPStore for the TP group's rendezvous listens on every interface whatever
     # --host says; a server on one machine meets its ranks through a file instead.
-    store = f"file://{log_dir / (spec.name + '.dist-store')}"
+    # absolute: a relative --log-dir (a Slurm job's logs/...) would read as file://HOST/PATH
+    store = f"file://{(Path(log_dir) / (spec.name + '.dist-store')).resolve()}"
     return dataclasses.replace(spec, env=tuple(sorted(dict(spec.env, **{DIST_STORE_ENV: store}).items())))
 
 
@@ -337,6 +340,21 @@ def launcher_registered_workers(cfg: LaunchConfig) -> list[str]:
     return []
 
 
+def bind_address(host: str) -> str:
+    """`host` as the IP address a listener binds: itself when it is one, else what the name
+    resolves to here (a rendered Slurm job's hosts are the job's machine names)."""
+    name = host.strip("[]")
+    try:
+        ipaddress.ip_address(name)
+        return name
+    except ValueError:
+        pass
+    try:
+        return socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)[0][4][0]
+    except OSError as e:
+        raise ValueError(f"--host {host!r}: not an IP address, and it does not resolve here: {e}") from None
+
+
 def router_spec(cfg: LaunchConfig) -> ProcessSpec:
     ports = cfg.ports
     decodes = [f"http://{cfg.host}:{ports.decode}"] if cfg.role is Role.ALL else list(cfg.decode_urls)
@@ -346,9 +364,10 @@ def router_spec(cfg: LaunchConfig) -> ProcessSpec:
     scope = keys.scope(cfg)
     module = ["smg.launch_router"] if scope is keys.Scope.NONE else [
         "sglang_disagg.launch.smg_router", smg_router.SCOPE_FLAG, scope.value]
-    argv = [sys.executable, "-m", *module, "--host", cfg.host, "--port", str(ports.front),
+    bind = bind_address(cfg.host)  # smg binds IP literals only; Slurm names machines by hostname
+    argv = [sys.executable, "-m", *module, "--host", bind, "--port", str(ports.front),
             # its metrics listener defaults to 0.0.0.0:29000: keep it on our host and port range
-            "--prometheus-host", cfg.host, "--prometheus-port", str(ports.router_metrics)]
+            "--prometheus-host", bind, "--prometheus-port", str(ports.router_metrics)]
     if cfg.mode is Mode.MESSENGER:
         # Regular mode in front of the decoders only: each decoder finds its prefill server.
         if not late:

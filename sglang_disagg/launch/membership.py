@@ -35,7 +35,12 @@ TIMEOUT_S = 5.0
 
 
 class MembershipError(RuntimeError):
-    """The router could not be asked or did not do what it was asked, with the reason."""
+    """The router could not be asked or did not do what it was asked, with the reason (and
+    the router's HTTP status, when it answered one)."""
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class MemberRole(enum.Enum):
@@ -91,7 +96,7 @@ class Membership:
                 return r.read(MAX_REPLY + 1)
         except urllib.error.HTTPError as e:
             raise MembershipError(f"{method} {self.router}{path}: HTTP {e.code}: "
-                                  f"{e.read(500).decode(errors='replace')}") from None
+                                  f"{e.read(500).decode(errors='replace')}", e.code) from None
         except (urllib.error.URLError, OSError) as e:
             raise MembershipError(f"{method} {self.router}{path}: {getattr(e, 'reason', e)}") from None
 
@@ -124,9 +129,17 @@ class Membership:
         only, keys.py)."""
         if self.find(url) is not None:
             return False
-        self._call("POST", "/workers", {"url": normal(url)} | ({"api_key": api_key} if api_key else {}))
+        try:
+            self._call("POST", "/workers", {"url": normal(url)} | ({"api_key": api_key} if api_key else {}))
+            added = True
+        except MembershipError as e:
+            # 409: the router is adding this URL already (named on its command line too, as a
+            # rendered deployment does, and not listed until its first health check passed)
+            if e.status != 409:
+                raise
+            added = False
         self._until(url, True, wait_s, f"the router took {normal(url)} but does not route to it after {wait_s:g}s")
-        return True
+        return added
 
     def leave(self, url: str, wait_s: float = TIMEOUT_S) -> bool:
         """Removes decoder `url` from the router (its in-flight streams go on) and waits until

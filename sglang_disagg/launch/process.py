@@ -4,6 +4,8 @@ file, health-checked over HTTP, and stopped together with all its children
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import http.client
 import os
 import signal
@@ -15,6 +17,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from sglang_disagg.env import IGNORE_SIGTERM_ENV
 from sglang_disagg.launch.client import tls_context
 from sglang_disagg.launch.commands import ProcessSpec
 
@@ -60,11 +63,70 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
+_libc_signal = ctypes.CDLL(None).signal  # resolved here: a forked child must not dlopen
+
+
+def in_slurm_step() -> bool:
+    """Whether this launcher is a task of a Slurm job step (srun sets SLURM_STEP_ID for each)."""
+    return "SLURM_STEP_ID" in os.environ
+
+
+def _preexec(cpus: tuple[int, ...] | None, shield: bool):
+    """What a server's child runs before exec: its cores and, in a Slurm step, SIGTERM ignored.
+
+    A signal to a Slurm step (`scancel --signal=TERM JOB.STEP`, `scancel JOB`) reaches every
+    process of the step, not only the launcher (slurmstepd signals all it tracks): SGLang's
+    schedulers died at once (exit code 1), so a decoder told to drain had nothing left to
+    migrate from (seen on the first real Slurm run). Ignored in the child, SIGTERM stays
+    ignored through exec and in the children it forks or spawns, unless a process installs a
+    handler of its own: SGLang's front process does (its graceful stop, which the launcher
+    uses too), and something in a scheduler's start does too (seen: SIGTERM caught, not
+    ignored, after it), so schedulers are also told IGNORE_SIGTERM_ENV and ignore it again at
+    the end of their start (hooks.scheduler_ready). The launcher alone then decides when its
+    servers stop; a stop still ends with SIGKILL to the group (`reap`), and Slurm's own SIGKILL
+    after KillWait reaches them all."""
+    if not cpus and not shield:
+        return None
+
+    def run() -> None:
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+        if shield:  # libc's signal(): the fork's thread may not be Python's main thread
+            _libc_signal(signal.SIGTERM, ctypes.c_void_p(1))  # SIG_IGN
+
+    return run
+
+
+# SGLang's shared-memory files (its load snapshots, its pid-stamped segments): a server group
+# stopped with SIGKILL (reap) never unlinks them, and every start makes new ones (16 KiB each
+# per server; ~3,500 had piled up in this machine's /dev/shm).
+SHM_FILES = ("/dev/shm/sglang_loads_", "/dev/shm/sgl_shm_")
+
+
+def shm_held(pgid: int) -> set[str]:
+    """SGLang's /dev/shm files mapped or open in process group `pgid` (read from /proc)."""
+    held: set[str] = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                if int(f.read().rsplit(b")", 1)[1].split()[2]) != pgid:
+                    continue
+            with open(f"/proc/{pid}/maps") as f:
+                held |= {ln.split(None, 5)[-1].strip() for ln in f if "/dev/shm/" in ln}
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    held.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile, or not ours to read
+    return {p for p in held if p.startswith(SHM_FILES)}
+
+
 class ManagedProcess:
     def __init__(self, spec: ProcessSpec, log_dir: Path) -> None:
         self.spec = spec
         self.log_path = log_dir / f"{spec.name}.log"
         self._proc: subprocess.Popen | None = None
+        self._shm: set[str] = set()
         self.started_at = 0.0
 
     @property
@@ -103,14 +165,15 @@ class ManagedProcess:
         store = dict(self.spec.env).get("SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE", "")
         if store.startswith("file://"):  # a previous run's rendezvous file would confuse this one
             Path(store.removeprefix("file://")).unlink(missing_ok=True)
+        shield = in_slurm_step()
         self._proc = subprocess.Popen(
             list(self.spec.argv),
-            env=self.spec.environ(),
+            env=self.spec.environ() | ({IGNORE_SIGTERM_ENV: "1"} if shield else {}),
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
-            preexec_fn=(lambda: os.sched_setaffinity(0, self.spec.cpus)) if self.spec.cpus else None,
+            preexec_fn=_preexec(self.spec.cpus, shield),
         )
         log.close()
 
@@ -144,6 +207,7 @@ class ManagedProcess:
         """SIGTERM to the server process alone (not its group): SGLang refuses new requests,
         finishes those in flight and exits; its schedulers keep running until then."""
         if self._proc and self._proc.poll() is None:
+            self._shm |= shm_held(self._proc.pid)  # while they live: reap() removes them once all are gone
             try:
                 self._proc.send_signal(signal.SIGTERM)
             except ProcessLookupError:
@@ -161,6 +225,7 @@ class ManagedProcess:
     def terminate(self) -> None:
         """SIGTERM to the whole process group; `reap()` finishes the stop."""
         if self._proc and self._proc.poll() is None:
+            self._shm |= shm_held(self._proc.pid)  # while they live: reap() removes them once all are gone
             try:
                 os.killpg(self._proc.pid, signal.SIGTERM)
             except ProcessLookupError:
@@ -191,8 +256,14 @@ class ManagedProcess:
             try:
                 os.killpg(self._proc.pid, 0)
             except (ProcessLookupError, PermissionError):
-                return
+                break
             time.sleep(0.05)
+        else:
+            return  # something of it still runs: what it maps stays
+        for path in self._shm:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        self._shm = set()
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         if not self._proc or self._proc.poll() is not None:

@@ -228,3 +228,12 @@ def test_ome_needs_every_group_of_a_role_to_share_its_data_parallelism():
     with pytest.raises(ValueError, match=r"must share tp, attn_dp, dp, nodes and gpus.*decode-0 \(tp 1, attn_dp 1, "
                                          r"dp 2"):
         ome(parse_doc(doc))
+
+
+def test_a_relative_log_dir_gives_the_rendezvous_an_absolute_file(tmp_path, monkeypatch):
+    """file://logs/x is host "logs", path /x: every server of a Slurm job (logs/sglang-disagg-ID/...)
+    waited for ever at "Init parallel begin"."""
+    monkeypatch.chdir(tmp_path)
+    cfg = LaunchConfig(role=Role.DECODE, model="tiny-llama", prefill_messengers=("p:30003",))
+    store = dict(server_spec(cfg, Role.DECODE, "/m", True, Path("logs/job-7/decode-0")).env)[DIST_STORE_ENV]
+    assert store == f"file://{tmp_path}/logs/job-7/decode-0/decode.dist-store"

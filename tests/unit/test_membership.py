@@ -29,6 +29,7 @@ class Fake:
 
     def __init__(self, workers: list) -> None:
         self.workers, self.calls, self.door = workers, [], {"draining": False}
+        self.creating: set[str] = set()  # URLs the router is adding already
         self.polls = 0
         fake = self
 
@@ -50,6 +51,12 @@ class Fake:
                     return self._reply(401, {"error": "no key"})
                 if self.path == "/workers" and method == "GET":
                     return self._reply(200, fake.workers if isinstance(fake.workers, bytes) else {"workers": fake.workers})
+                if self.path == "/workers" and method == "POST" and body["url"] in fake.creating:
+                    # smg 1.13 when the URL is being added already (named on its command line):
+                    # 409, and the worker is listed once its first health check passed
+                    threading.Timer(0.3, fake.workers.append, (worker(body["url"], "late"),)).start()
+                    return self._reply(409, {"error": f"Worker creation already in progress for URL "
+                                                      f"'{body['url']}'", "code": "WORKER_CREATE_IN_PROGRESS"})
                 if self.path == "/workers" and method == "POST":
                     fake.workers.append(worker(body["url"], f"id-{len(fake.workers)}"))
                     return self._reply(202, {"status": "accepted"})
@@ -127,6 +134,17 @@ def test_leaving_removes_by_id_once_and_joining_adds_only_what_is_not_listed(fak
     assert m.join("http://10.0.0.3:30002") is False
     assert m.join("http://10.0.0.8:30002", api_key="k") is True
     assert ("POST", "/workers", {"url": "http://10.0.0.8:30002", "api_key": "k"}) in fake.calls
+
+
+def test_joining_while_the_router_adds_the_same_url_itself_waits_for_it_instead_of_failing(fake):
+    """A rendered deployment names its decoders on the router's command line, and each decoder
+    also joins (to be drained by migration): the first Slurm run failed on smg's 409 here."""
+    fake.creating.add("http://10.0.0.9:30002")
+    m = Membership(fake.url, KEY)
+    assert m.join("http://10.0.0.9:30002", wait_s=5) is False  # the router added it, not this call
+    assert m.find("http://10.0.0.9:30002").healthy
+    with pytest.raises(MembershipError, match="HTTP 401"):
+        Membership(fake.url, "wrong").join("http://10.0.0.10:30002")
 
 
 def test_a_drain_leaves_the_router_before_the_door_migrates_and_waits_until_done(fake):
