@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup run smoke test check-patches bench clean
+.PHONY: setup run smoke test test-deploy check-patches bench clean
 
 setup:
 	@bash scripts/setup.sh
@@ -19,6 +19,11 @@ check-patches: setup
 
 test: setup check-patches
 	$(PY) -m pytest tests --durations=25 $(PYTEST_ARGS)
+
+# Deployments on their engines (root, Debian's Slurm and munge, minutes): not part of `make test`.
+test-deploy: setup
+	@bash scripts/deploy-setup.sh
+	CI=true SGLANG_DISAGG_DEPLOY_TESTS=1 $(PY) -m pytest tests/deploy -s --durations=0 $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) benchmarks/transfer.py --out results/transfer

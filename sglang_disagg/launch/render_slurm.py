@@ -69,6 +69,12 @@ _PRIVATE_DIR = [
     "fi"]
 
 
+def _log_dir(name: str) -> str:
+    """Each node's logs (and its key files) beside the job's own output, on the shared file
+    system: logs/sglang-disagg-<job id>/<node>, not a temporary directory on each machine."""
+    return f"logs/sglang-disagg-{_ref('SLURM_JOB_ID')}/{name}"
+
+
 def slurm(dep: Deployment, time_limit: str = "04:00:00") -> str:
     if not _TIME.match(time_limit):
         raise ValueError(f"--time {time_limit!r}: not one of sbatch's time forms (e.g. 04:00:00, 2-00:00:00)")
@@ -95,20 +101,22 @@ def slurm(dep: Deployment, time_limit: str = "04:00:00") -> str:
                   f'export {SECRET_FILE_ENV}="$SECRET_MADE"',
                   "python3 -c 'import secrets; print(secrets.token_hex(32))' > \"$SECRET_MADE\""]
     lines.append("")
-    own = {_var(g.name) for g in dep.groups} | {"ROUTER", "SLURM_PROCID"}
+    own = {_var(g.name) for g in dep.groups} | {"ROUTER", "SLURM_PROCID", "SLURM_JOB_ID"}
     slurm_dep = dataclasses.replace(dep, groups=tuple(dataclasses.replace(g, host=_ref(_var(g.name)))
                                                       for g in dep.groups), router_host=_ref("ROUTER"))
     for g in slurm_dep.groups:
         argv = LAUNCH + launcher_argv(slurm_dep.launch_config(g.name))
         v = _var(g.name)
         if g.nodes == 1:
+            argv += ["--log-dir", _log_dir(g.name)]
             lines.append(f'srun --nodes=1 --ntasks=1 -w "${v}" {_sh(argv, own)} &')
         else:  # the node rank is the task's rank, expanded on each machine
             argv += multinode_flags(g, g.host, _ref("SLURM_PROCID"), dist_port(dep, g))
+            argv += ["--log-dir", _log_dir(f"{g.name}-{_ref('SLURM_PROCID')}")]
             lines.append(f'srun --nodes={g.nodes} --ntasks={g.nodes} -w "${v}_NODES" '
                          f'bash -c {shlex.quote(_sh(argv, own))} &')
     lines.append(f'srun --nodes=1 --ntasks=1 -w "$ROUTER" '
-                 f'{_sh(LAUNCH + launcher_argv(slurm_dep.launch_config(ROUTER)), own)} &')
+                 f'{_sh(LAUNCH + launcher_argv(slurm_dep.launch_config(ROUTER)) + ["--log-dir", _log_dir(ROUTER)], own)} &')
     if any(slurm_dep.launch_config(g.name).drain_mode is DrainMode.MIGRATE for g in slurm_dep.of(Role.DECODE)):
         lines += ["# Draining one decoder before it stops: scancel --signal=TERM ${SLURM_JOB_ID}.<its step>; its",
                   "# launcher (--drain-mode migrate) moves its running requests to the other decoders, then exits 0."]

@@ -155,7 +155,7 @@ def test_the_slurm_script_starts_each_node_on_its_machine_with_its_configuration
         f.chmod(0o755)
     log = tmp_path / "srun"
     log.mkdir()
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_NODELIST="n[0-4]", SRUN_LOG=str(log))
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_NODELIST="n[0-4]", SLURM_JOB_ID="41", SRUN_LOG=str(log))
     # The script ends (exit 1) as soon as one of its processes ends; the others may still be writing.
     subprocess.run(["bash", str(script)], env=env, timeout=30, cwd=tmp_path)
     deadline = time.monotonic() + 10
@@ -177,6 +177,7 @@ def test_the_slurm_script_starts_each_node_on_its_machine_with_its_configuration
         cfg, want = by_host[host], dep.launch_config(name)
         assert (cfg.role, cfg.host, cfg.transfer_backend, cfg.transfer_provider, cfg.ports) == (
             want.role, host, want.transfer_backend, want.transfer_provider, want.ports)
+    assert {h: c.log_dir for h, c in by_host.items()} == {h: f"logs/sglang-disagg-41/{n}" for n, h in machines.items()}
     assert by_host["n1"].prefill_messengers == ("n0:30003",)
     assert by_host["n4"].decode_urls == tuple(f"http://n{i}:30002" for i in (1, 2, 3))
     assert shlex.split(script.read_text().splitlines()[0]) == ["#!/usr/bin/env", "bash"]
@@ -276,7 +277,7 @@ def test_a_slurm_job_refuses_to_put_its_secret_where_others_could_swap_it(tmp_pa
     (bin_dir / "srun").write_text("#!/bin/sh\ntouch started\n")
     for f in bin_dir.iterdir():
         f.chmod(0o755)
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_NODELIST="n[0-4]")
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_NODELIST="n[0-4]", SLURM_JOB_ID="43")
     r = subprocess.run(["bash", str(script)], env=env, cwd=job_dir, timeout=30, capture_output=True, text=True)
     assert r.returncode == 2 and "others could swap the job's secret here" in r.stderr
     assert sorted(p.name for p in job_dir.iterdir()) == ["job.sbatch"]  # no secret, nothing started
