@@ -254,6 +254,8 @@ def test_the_slurm_script_runs_nothing_from_the_file_and_removes_its_secret_when
     # The script's own variables expanded: the machines, and each task's rank.
     prefill = [parse(a)[0] for a in argvs if "--nnodes" in a]
     assert sorted(a[a.index("--node-rank") + 1] for a in argvs if "--nnodes" in a) == ["0", "1"]
+    # each node of a multi-node group logs apart, beside the job's output
+    assert sorted(c.log_dir for c in prefill) == [f"logs/sglang-disagg-42/prefill-0-{r}" for r in (0, 1)]
     assert {c.host for c in prefill} == {"n0"} and all(
         a[a.index("--dist-init-addr") + 1] == "n0:30004" for a in argvs if "--nnodes" in a)
     by_role = {c.role: c for c in (parse(a)[0] for a in argvs)}
