@@ -195,6 +195,18 @@ class Host:
     def netns_file(self) -> str:
         return f"/proc/{self.ns.pid}/ns/net"
 
+    def processes(self) -> list[int]:
+        """Every process of this host (its PID namespace, the keeper included), by the PIDs
+        this machine's root namespace gives them."""
+        ns, out = os.readlink(f"/proc/{self.ns.pid}/ns/pid"), []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if os.readlink(f"/proc/{pid}/ns/pid") == ns:
+                    out.append(int(pid))
+            except OSError:  # gone meanwhile
+                continue
+        return out
+
 
 @dataclass
 class Network:

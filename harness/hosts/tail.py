@@ -110,11 +110,9 @@ def host_cpu_s(host: Host) -> float:
     """CPU seconds the live processes of `host` (its PID namespace) used so far. The hosts
     share this machine's cores: a host that spins while it waits slows the others' compute,
     which on separate machines it would not."""
-    ns, total, tick = os.readlink(f"/proc/{host.ns.pid}/ns/pid"), 0.0, os.sysconf("SC_CLK_TCK")
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    total, tick = 0.0, os.sysconf("SC_CLK_TCK")
+    for pid in host.processes():
         try:
-            if os.readlink(f"/proc/{pid}/ns/pid") != ns:
-                continue
             fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
         except OSError:  # gone meanwhile
             continue

@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from e2e.conftest import COMMON_ARGS, run_sequential
+from e2e.faultlib import wait_for
 from harness import slurm
 from harness.hosts import inside, netns
 from sglang_disagg.launch.client import greedy
@@ -45,15 +46,12 @@ UP = re.compile(r"\[sglang-disagg\] up in ([0-9.]+)s")
 @pytest.fixture(scope="module")
 def cluster(engines, tmp_path_factory):
     root = tmp_path_factory.mktemp("slurm")
-    net = netns.Network.create("slurm", ["ctl", *MACHINES])
-    try:
+    with netns.Network.create("slurm", ["ctl", *MACHINES]) as net:
         c = slurm.Cluster.start(root / "cluster", net, "ctl", MACHINES)
         try:
             yield c
         finally:
             c.close()
-    finally:
-        net.close()
 
 
 @pytest.fixture(scope="module")
@@ -91,11 +89,13 @@ class Job:
 
     def wait_up(self, timeout: float = 300.0) -> float:
         t0 = time.monotonic()
-        while len(UP.findall(self.output())) < SERVERS:
+
+        def up() -> bool:
             state = self.cluster.job(self.id).get("JobState", "?")
             assert state in ("PENDING", "RUNNING"), f"job {self.id} is {state}:\n{self.output()[-4000:]}"
-            assert time.monotonic() - t0 < timeout, f"job {self.id} not up in {timeout:.0f} s:\n{self.output()[-4000:]}"
-            time.sleep(0.5)
+            return len(UP.findall(self.output())) >= SERVERS
+
+        wait_for(f"job {self.id} up (its output: {self.out})", up, timeout, 0.5)
         return time.monotonic() - t0
 
     @property
@@ -103,13 +103,8 @@ class Job:
         return (self.logs / "router" / "api-key").read_text().strip()
 
     def wait_state(self, states: tuple[str, ...], timeout: float) -> dict[str, str]:
-        deadline = time.monotonic() + timeout
-        while True:
-            info = self.cluster.job(self.id)
-            if info.get("JobState") in states:
-                return info
-            assert time.monotonic() < deadline, f"job {self.id} not {states} in {timeout:.0f} s: {info}"
-            time.sleep(0.5)
+        return wait_for(f"job {self.id} {states}", lambda: (i := self.cluster.job(self.id)).get("JobState") in states
+                        and i, timeout, 0.5)
 
     def step_on(self, machine: str) -> str:
         r = self.cluster.run(["squeue", "-h", "-s", "-j", self.id, "-o", "%i %N"])
@@ -120,16 +115,7 @@ class Job:
 
 
 def _in_host(host: netns.Host) -> list[int]:
-    """Every process in `host` but its keeper, seen from here (PIDs of the root namespace)."""
-    mine = os.readlink(f"/proc/{host.ns.pid}/ns/pid")
-    out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if int(pid) != host.ns.pid and os.readlink(f"/proc/{pid}/ns/pid") == mine:
-                out.append(int(pid))
-        except OSError:
-            pass
-    return out
+    return [pid for pid in host.processes() if pid != host.ns.pid]  # its keeper is the machine's
 
 
 def _ours(host: netns.Host) -> list[str]:
@@ -184,28 +170,22 @@ def test_the_rendered_job_serves_exact_drains_a_decoder_on_its_step_signal_and_s
     threads = [inside.Thread(ctl, _stream, decode_1, key, p, DRAIN_TOKENS, g) for p, g in zip(drains, got)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 60
-    while not all(g.get("events", 0) >= 5 or "err" in g for g in got):
-        assert time.monotonic() < deadline, got
-        time.sleep(0.05)
+    wait_for("every stream decoding on decode-1", lambda: all(g.get("events", 0) >= 5 or "err" in g for g in got),
+             60, 0.05)
     step = job.step_on("n3")
     # Slurm 22.05 delivers it and still prints "Kill job error on job step id ...: Invalid job id
     # specified" (exit 225; seen here with any step): judged by what the decoder says instead
     cluster.run(["scancel", "--signal=TERM", step])
-    deadline = time.monotonic() + 30
-    while f"draining http://n3:{PORT + 2}" not in job.output():
-        assert time.monotonic() < deadline, f"decode-1 did not drain on its step's SIGTERM:\n{job.output()[-3000:]}"
-        time.sleep(0.2)
+    wait_for(f"decode-1 draining on its step's SIGTERM (output: {job.out})",
+             lambda: f"draining http://n3:{PORT + 2}" in job.output(), 30, 0.2)
     for t in threads:
         t.join(300)
     assert [g.get("err") for g in got] == [None] * len(drains)
     assert [g["out"] for g in got] == drain_expected, "streams drained by the step's signal != colocated"
     drained = re.findall(r"drain: running (\d+), migrating (\d+), migrated (\d+), failed (\d+)", job.output())
     assert drained and int(drained[-1][2]) >= 1, job.output()[-3000:]
-    t_step = time.monotonic()
-    while step in cluster.run(["squeue", "-h", "-s", "-j", job.id, "-o", "%i"]).stdout.split():
-        assert time.monotonic() - t_step < 60, "the drained decoder's step did not end"
-        time.sleep(0.5)
+    wait_for("the drained decoder's step ended",
+             lambda: step not in cluster.run(["squeue", "-h", "-s", "-j", job.id, "-o", "%i"]).stdout.split(), 60, 0.5)
     assert cluster.job(job.id)["JobState"] == "RUNNING", "the job ended with one decoder drained"
     assert inside.call(ctl, functools.partial(run_sequential, router, prompts[:2], api_key=key), timeout=120) == expected[:2]
 
@@ -245,16 +225,12 @@ def test_a_machine_that_dies_is_marked_down_the_job_is_requeued_and_serves_again
     states = cluster.wait_nodes("down", ["n2"], 60)
     t_down = time.monotonic() - t0
     reason = cluster.run(["sinfo", "-h", "-R", "-n", "n2", "-o", "%E"]).stdout.strip()
-    deadline = time.monotonic() + 90
-    while (info := cluster.job(job.id)).get("Restarts", "0") == "0" or info.get("JobState") != "PENDING":
-        assert time.monotonic() < deadline, f"job {job.id} not requeued: {info}"
-        time.sleep(0.5)
+    wait_for(f"job {job.id} requeued", lambda: (i := cluster.job(job.id)).get("Restarts", "0") != "0"
+             and i.get("JobState") == "PENDING", 90, 0.5)
     t_requeued = time.monotonic() - t0
     others = [m for m in MACHINES if m != "n2"]
-    deadline = time.monotonic() + 60
-    while (left := {m: _ours(cluster.net[m]) for m in others}) != {m: [] for m in others}:
-        assert time.monotonic() < deadline, left
-        time.sleep(0.5)
+    wait_for("nothing of the job left on the other machines", lambda: not any(_ours(cluster.net[m]) for m in others),
+             60, 0.5)
     assert not list(REPO.glob(f".sglang-disagg-secret.{job.id}.*")), "the first run's secret outlived it"
     # the machine comes back (its slurmd again): back in service (ReturnToService=2), and the job
     # starts again; Slurm holds a requeued job ~2 minutes first, which the operator may skip
